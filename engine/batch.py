@@ -1,0 +1,203 @@
+"""The batch path: continuous batching over mlx-lm's ``BatchGenerator``, one step at a time.
+
+:class:`BatchEngine` exposes the small operations the runtime drives: ``add`` rows, ``step``
+(one decode step for every generating row plus one prefill chunk for rows still reading their
+prompt, so a long prompt never stalls running rows), ``remove`` a row, ``park`` a row whose
+consumer is not keeping up (its KV leaves the batch) and ``resume`` it later. Each row has its own
+sampler and logits processors, and the same :class:`RowDecoder` as the single-request path.
+
+Row ids are this class's own and stay the same across park and resume (mlx-lm gives a resumed
+row a new uid).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.outputs import RowEvent, RowOutput, RowProgress
+from mlx_trio.engine.params import PreparedRequest
+from mlx_trio.engine.row import RowDecoder
+from mlx_trio.engine.sampling import LogitsProcessor, Sampler, make_row_processors, make_row_sampler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFILL_CHUNK = 256
+
+
+@dataclass(slots=True)
+class _Row:
+    decoder: RowDecoder
+    sampler: Sampler | None
+    processors: list[LogitsProcessor]
+    stops: StopSequences
+    uid: int | None = None
+    parked: tuple[list[Any], list[int]] | None = None  # (KV caches, tokens in them)
+
+
+class BatchEngine:
+    """Rows generating together; every method must be called on the engine thread."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_batch: int = 32,
+        prefill_batch: int = 8,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
+        self._engine = engine
+        self._generator = BatchGenerator(
+            engine.model,
+            completion_batch_size=max_batch,
+            prefill_batch_size=min(prefill_batch, max_batch),
+            prefill_step_size=prefill_chunk,
+        )
+        self._rows: dict[int, _Row] = {}
+        self._row_of_uid: dict[int, int] = {}
+        self._next_row = 0
+        self.max_batch = max_batch
+
+    @property
+    def num_rows(self) -> int:
+        """Rows added and not yet finished or removed (prefilling, generating or parked)."""
+        return len(self._rows)
+
+    @property
+    def num_active(self) -> int:
+        """Rows in mlx-lm's batch (not parked)."""
+        return len(self._row_of_uid)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes held by the KV caches of every row, parked ones included."""
+        parked = sum(c.nbytes for row in self._rows.values() if row.parked for c in row.parked[0])
+        return self._generator.prompt_cache_nbytes + parked
+
+    def add(self, request: PreparedRequest) -> int:
+        """Queue a row; it starts prefilling at the next step. Returns its row id."""
+        params = request.params
+        decoder = RowDecoder(
+            self._engine.tokenizer, params, num_prompt_tokens=len(request.prompt_tokens)
+        )
+        row = _Row(
+            decoder=decoder,
+            sampler=make_row_sampler(params),
+            processors=make_row_processors(params),
+            stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
+        )
+        row_id = self._next_row
+        self._next_row += 1
+        self._rows[row_id] = row
+        self._insert(row_id, row, list(request.prompt_tokens), params.max_tokens, None, None)
+        return row_id
+
+    def _insert(
+        self,
+        row_id: int,
+        row: _Row,
+        prompt: list[int],
+        max_tokens: int,
+        cache: list[Any] | None,
+        context: list[int] | None,
+    ) -> None:
+        (uid,) = self._generator.insert(
+            [prompt],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[context] if context is not None else None,
+            samplers=[row.sampler],
+            logits_processors=[row.processors],
+            stop_sequences=[row.stops],
+        )
+        row.uid = uid
+        self._row_of_uid[uid] = row_id
+
+    def remove(self, rows: Iterable[int]) -> None:
+        """Drop rows (cancelled, failed or parked); unknown ids are ignored. Frees their KV."""
+        uids = []
+        for row_id in rows:
+            row = self._rows.pop(row_id, None)
+            if row is not None and row.uid is not None:
+                uids.append(row.uid)
+                del self._row_of_uid[row.uid]
+        if uids:
+            self._generator.remove(uids)
+
+    def can_park(self, row_id: int) -> bool:
+        """Whether a row is generating (it has produced a token) and not parked."""
+        row = self._rows.get(row_id)
+        return row is not None and row.uid is not None and row.decoder.num_generated > 0
+
+    def park(self, row_id: int) -> None:
+        """Take a generating row out of the batch, keeping its KV cache for :meth:`resume`.
+
+        The cache already holds the last emitted token (mlx-lm computes one step ahead), so it
+        is trimmed by one and that token is fed again on resume: greedy output is unchanged.
+        """
+        assert self.can_park(row_id), "only a generating row can be parked"
+        row = self._rows[row_id]
+        assert row.uid is not None
+        caches, tokens = self._generator.extract_cache([row.uid])[row.uid]
+        for cache in caches:
+            cache.trim(1)
+        self._generator.remove([row.uid])
+        del self._row_of_uid[row.uid]
+        row.uid = None
+        row.parked = (caches, list(tokens))
+
+    def resume(self, row_id: int) -> None:
+        """Put a parked row back into the batch; it continues where it stopped."""
+        row = self._rows[row_id]
+        assert row.parked is not None, "resume of a row that is not parked"
+        caches, tokens = row.parked
+        row.parked = None
+        remaining = row.decoder.params.max_tokens - row.decoder.num_generated
+        self._insert(row_id, row, [tokens[-1]], remaining, caches, tokens[:-1])
+
+    def step(self) -> list[RowEvent]:
+        """Run one batch step; return each row's progress or delta.
+
+        If this raises, the generator's state is undefined: the caller fails the rows it
+        holds and builds a new :class:`BatchEngine`.
+        """
+        if not self._row_of_uid:
+            return []
+        prompt_responses, generation_responses = self._generator.next()
+        events: list[RowEvent] = [
+            RowProgress(row=self._row_of_uid[r.uid], done=r.progress[0], total=r.progress[1])
+            for r in prompt_responses
+            if r.uid in self._row_of_uid
+        ]
+        finished_here: list[int] = []
+        for response in generation_responses:
+            row_id = self._row_of_uid.get(response.uid)
+            if row_id is None:
+                continue
+            decoder = self._rows[row_id].decoder
+            delta = decoder.feed(response.token, response.logprobs)
+            assert response.finish_reason is None or delta.finish_reason is not None, (
+                "mlx-lm finished a row that its decoder did not"
+            )
+            if delta.finish_reason is None:
+                events.append(RowOutput(row=row_id, delta=delta))
+                continue
+            del self._rows[row_id]
+            del self._row_of_uid[response.uid]
+            events.append(RowOutput(row=row_id, delta=delta, stats=decoder.stats()))
+            if response.finish_reason is None:
+                finished_here.append(response.uid)
+        if finished_here:
+            self._generator.remove(finished_here)
+        return events
+
+    def close(self) -> None:
+        """Release every row and the generator."""
+        self._rows.clear()
+        self._row_of_uid.clear()
+        self._generator.close()

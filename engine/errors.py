@@ -1,0 +1,87 @@
+"""The errors mlx-trio raises, one tree for every layer.
+
+    MlxTrioError
+    ├── InvalidRequestError          bad input; carries the offending ``param`` (OpenAI's shape)
+    │   └── ContextLengthExceededError   prompt (+ max_tokens) longer than the model's context
+    ├── ModelError                   anything about finding, importing or loading a model
+    │   ├── ModelNotFoundError           no such file or directory
+    │   ├── UnsupportedModelError        a format, architecture or quantization we cannot load
+    │   └── ModelImportError             download, checksum or conversion failed
+    ├── EngineError                  a generation step failed inside MLX or mlx-lm
+    └── RuntimeRefusal               the runtime did not admit a request
+        ├── OverloadedError              admission is full; carries ``retry_after_s``
+        └── RuntimeClosedError           the runtime is shutting down or closed
+
+Every error carries a message fit to show a user as is: it never echoes a file path that the
+user did not give us.
+"""
+
+from __future__ import annotations
+
+
+class MlxTrioError(Exception):
+    """Base of every error mlx-trio raises on purpose."""
+
+    code: str | None = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequestError(MlxTrioError, ValueError):
+    """A request parameter is missing, malformed or out of range."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt does not fit in the model's context window."""
+
+    def __init__(self, message: str, *, param: str | None = "messages") -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class ModelError(MlxTrioError):
+    """A model could not be found, imported or loaded."""
+
+
+class ModelNotFoundError(ModelError):
+    code = "model_not_found"
+
+
+class UnsupportedModelError(ModelError):
+    code = "unsupported_model"
+
+
+class ModelImportError(ModelError):
+    code = "model_import_failed"
+
+
+class EngineError(MlxTrioError):
+    """A generation step raised inside MLX or mlx-lm."""
+
+    code = "engine_fault"
+
+
+class RuntimeRefusal(MlxTrioError):
+    """The runtime did not admit a request; nothing was queued or run."""
+
+
+class OverloadedError(RuntimeRefusal):
+    """Every live-session slot and queue slot is taken; try again after ``retry_after_s``."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RuntimeClosedError(RuntimeRefusal):
+    """The runtime is shutting down or closed and admits nothing new."""
+
+    code = "shutting_down"

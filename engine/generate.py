@@ -1,0 +1,117 @@
+"""The engine: a loaded model plus the single-request generation path.
+
+Everything here runs on the engine thread (``mlx_trio.engine.thread``); nothing here knows
+about Trio. The batch path lives in ``batch.py`` and shares :class:`RowDecoder` with this one,
+so both produce the same deltas, finish reasons and stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+from mlx_trio.engine.errors import InvalidRequestError
+from mlx_trio.engine.loader import LoadedModel, load_model
+from mlx_trio.engine.outputs import Delta, GenerationStats
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from mlx_trio.engine.prompt import Prompt, check_fits, encode_prompt
+from mlx_trio.engine.row import RowDecoder
+from mlx_trio.engine.sampling import make_row_processors, make_row_sampler
+
+ProgressCallback = Callable[[int, int], None]
+
+DEFAULT_PREFILL_STEP = 512
+
+
+class Generation:
+    """One single-request generation: iterate for deltas, then read :meth:`stats`.
+
+    The last delta carries the finish reason. Stopping the iteration early (closing the
+    generator) frees the request's KV cache; nothing else is held.
+    """
+
+    def __init__(
+        self, engine: Engine, request: PreparedRequest, on_progress: ProgressCallback | None
+    ):
+        self._engine = engine
+        self._request = request
+        self._on_progress = on_progress
+        self._decoder = RowDecoder(
+            engine.tokenizer, request.params, num_prompt_tokens=len(request.prompt_tokens)
+        )
+
+    def __iter__(self) -> Iterator[Delta]:
+        params = self._request.params
+        steps = generate_step(
+            mx.array(self._request.prompt_tokens),
+            self._engine.model,
+            max_tokens=params.max_tokens,
+            sampler=make_row_sampler(params) or greedy_sampler,
+            logits_processors=make_row_processors(params),
+            prompt_cache=make_prompt_cache(self._engine.model),
+            prefill_step_size=self._engine.prefill_step_size,
+            prompt_progress_callback=self._on_progress,
+        )
+        try:
+            for token, logprobs in steps:
+                delta = self._decoder.feed(int(token), logprobs)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            steps.close()
+
+    def stats(self) -> GenerationStats:
+        return self._decoder.stats()
+
+
+class Engine:
+    """A loaded model and what can be done with it, one call at a time."""
+
+    def __init__(self, loaded: LoadedModel, *, prefill_step_size: int = DEFAULT_PREFILL_STEP):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.prefill_step_size = prefill_step_size
+        self.vocab_size = len(loaded.tokenizer)
+
+    @classmethod
+    def load(cls, spec: str | None = None, *, device: str = "auto") -> Engine:
+        """Load ``spec`` (None: the embedded default model) on this thread."""
+        return cls(load_model(spec, device=device))  # type: ignore[arg-type]
+
+    @property
+    def model_id(self) -> str:
+        return self.loaded.model_id
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.context_length
+
+    def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        """Tokenize and check a request; raises :class:`InvalidRequestError` subclasses."""
+        for token in params.logit_bias:
+            if token >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token id {token} is outside the vocabulary "
+                    f"(size {self.vocab_size})",
+                    param="logit_bias",
+                )
+        tokens = encode_prompt(self.tokenizer, prompt)
+        if not tokens:
+            raise InvalidRequestError("prompt encodes to no tokens", param="prompt")
+        check_fits(len(tokens), params.max_tokens, self.context_length)
+        return PreparedRequest(prompt_tokens=tuple(tokens), params=params)
+
+    def generate(
+        self, request: PreparedRequest, *, on_progress: ProgressCallback | None = None
+    ) -> Generation:
+        """Start a single-request generation (lazy: work happens as it is iterated)."""
+        return Generation(self, request, on_progress)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)

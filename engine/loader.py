@@ -1,0 +1,131 @@
+"""Load a resolved model with mlx-lm, in the form that runs fastest on the chosen device.
+
+On CPU, quantized weights are dequantized to float32 once at load: MLX's CPU quantized matmul
+is not BLAS-backed, so the 4-bit default model decodes at about 7 tok/s against about 17 tok/s
+in float32 with OpenBLAS. On GPU the weights stay as stored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import dequantize_model, load_tokenizer
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+from mlx_trio.engine.errors import InvalidRequestError, UnsupportedModelError
+from mlx_trio.engine.gguf import Progress
+from mlx_trio.engine.model_store import resolve_model
+
+logger = logging.getLogger(__name__)
+
+Device = Literal["auto", "cpu", "gpu"]
+_FALLBACK_CONTEXT = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model and tokenizer in memory, evaluated and ready to generate."""
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    model_id: str
+    path: Path
+    dtype: str
+    is_quantized: bool
+    context_length: int
+    device: str
+
+
+def load_model(
+    spec: str | None, *, device: Device = "auto", progress: Progress | None = None
+) -> LoadedModel:
+    """Resolve ``spec`` (see ``resolve_model``) and load it onto ``device``.
+
+    ``"cpu"`` and ``"gpu"`` set MLX's default device for the whole process; ``"auto"`` keeps
+    the current one. Raises ModelNotFoundError or UnsupportedModelError as ``resolve_model``
+    does, UnsupportedModelError when mlx-lm cannot build or fill the model, and
+    InvalidRequestError for ``"gpu"`` where MLX sees no GPU. Nothing stays loaded on failure.
+    """
+    on_cpu = _select_device(device)
+    resolved = resolve_model(spec, progress=progress)
+    try:
+        model, config = mlx_lm_load_model(resolved.path, lazy=False)
+        tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        logger.warning("mlx-lm could not load %s: %s", resolved.model_id, exc)
+        if str(exc).startswith("Model type"):
+            model_type = _model_type(resolved.path)
+            message = f"model type {model_type!r} is not supported by mlx-lm"
+        else:
+            message = f"mlx-lm could not load model {resolved.model_id!r} ({type(exc).__name__})"
+        raise UnsupportedModelError(message) from exc
+    if on_cpu:
+        # Scales go to float32 first: dequantizing from float16 is about 4x slower on CPU.
+        model.set_dtype(mx.float32)
+        model = dequantize_model(model)
+        mx.eval(model.parameters())
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=resolved.model_id,
+        path=resolved.path,
+        dtype=_main_dtype(model),
+        is_quantized=any("scales" in m for _, m in model.named_modules()),
+        context_length=_context_length(config, tokenizer),
+        device="cpu" if on_cpu else "gpu",
+    )
+    logger.info(
+        "loaded %s on %s (%s%s, context %d)",
+        loaded.model_id,
+        loaded.device,
+        loaded.dtype,
+        ", quantized" if loaded.is_quantized else "",
+        loaded.context_length,
+    )
+    return loaded
+
+
+def _select_device(device: Device) -> bool:
+    """Apply ``device`` to MLX's default device; return whether it is the CPU."""
+    if device == "cpu":
+        mx.set_default_device(mx.cpu)
+    elif device == "gpu":
+        if not mx.is_available(mx.gpu):
+            raise InvalidRequestError(
+                "device 'gpu' was requested but MLX sees no GPU", param="device"
+            )
+        mx.set_default_device(mx.gpu)
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def _main_dtype(model: nn.Module) -> str:
+    """The floating dtype that holds most of the model's parameter elements."""
+    sizes: Counter[str] = Counter()
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            sizes[str(value.dtype).removeprefix("mlx.core.")] += value.size
+    return sizes.most_common(1)[0][0] if sizes else "unknown"
+
+
+def _context_length(config: dict[str, Any], tokenizer: TokenizerWrapper) -> int:
+    for value in (config.get("max_position_embeddings"), tokenizer.model_max_length):
+        if isinstance(value, int) and 0 < value < 10_000_000:
+            return value
+    logger.warning("the model states no context length; assuming %d", _FALLBACK_CONTEXT)
+    return _FALLBACK_CONTEXT
+
+
+def _model_type(path: Path) -> str | None:
+    try:
+        return json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,80 @@
+"""What a generation produces, as plain frozen values (no MLX), shared with the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The chosen token's log-probability and, if asked for, the most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One decode step's output for one request.
+
+    ``text`` may be empty while the detokenizer or a possible stop string holds text back.
+    ``token_ids`` are the tokens this step consumed (never an end-of-sequence or stop token id);
+    ``logprobs``, when requested, has one entry per token id, in order.
+    ``finish_reason`` is set on the last delta of a generation.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    """Counts and timings of one finished generation."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode speed, counting the tokens after the first (the first comes from prefill)."""
+        if self.generated_tokens < 2 or self.decode_s <= 0:
+            return 0.0
+        return (self.generated_tokens - 1) / self.decode_s
+
+
+@dataclass(frozen=True, slots=True)
+class RowProgress:
+    """Prompt processing progress of one row: ``done`` of ``total`` prompt tokens."""
+
+    row: int
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowOutput:
+    """A row's delta for this step; ``stats`` is set on its last one (the row has left)."""
+
+    row: int
+    delta: Delta
+    stats: GenerationStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RowFailed:
+    """A row that the engine had to drop: its sampler or a step failed. The row has left."""
+
+    row: int
+    message: str
+
+
+RowEvent = RowProgress | RowOutput | RowFailed

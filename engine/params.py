@@ -1,0 +1,120 @@
+"""Sampling parameters: one frozen, validated value per request.
+
+Pure Python (no MLX), so the runtime and the HTTP edge validate before anything is admitted.
+Ranges follow ``design/RELIABILITY.md`` (OpenAI's where OpenAI defines one); every violation
+raises :class:`InvalidRequestError` naming the offending ``param``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from mlx_trio.engine.errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` means greedy decoding; the other sampling knobs are then ignored.
+    ``top_p == 1``, ``top_k == 0`` and ``min_p == 0`` switch their filters off. Penalties of 0
+    (or a repetition penalty of 1) are off. ``seed`` makes sampling reproducible per request,
+    independent of other requests in the same batch.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("temperature", self.temperature, low=0.0, high=2.0)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_int("top_k", self.top_k, low=0)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, low=0.0, high=2.0, low_open=True
+        )
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        self._check_stop()
+        self._check_logit_bias()
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequestError("logprobs must be a boolean", param="logprobs")
+        _check_int("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError(
+                "top_logprobs requires logprobs to be true", param="top_logprobs"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _check_stop(self) -> None:
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop must be a list of strings", param="stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                param="stop",
+            )
+        if any(s == "" for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty", param="stop")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, low=0)
+
+    def _check_logit_bias(self) -> None:
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias", token, low=0)
+            _check_float("logit_bias", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request checked against the model: token ids that fit, parameters the model accepts."""
+
+    prompt_tokens: tuple[int, ...]
+    params: SamplingParams
+
+
+def _check_int(param: str, value: object, *, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{param} must be an integer, got {value!r}", param=param)
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise InvalidRequestError(f"{param} must be {bounds}, got {value}", param=param)
+
+
+def _check_float(
+    param: str, value: object, *, low: float, high: float, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(f"{param} must be a number, got {value!r}", param=param)
+    too_low = value <= low if low_open else value < low
+    if not math.isfinite(value) or too_low or value > high:
+        bracket = "(" if low_open else "["
+        raise InvalidRequestError(
+            f"{param} must be in {bracket}{low:g}, {high:g}], got {value}", param=param
+        )

@@ -1,0 +1,102 @@
+"""One request's decoding state, shared by the single-request and the batch paths.
+
+A :class:`RowDecoder` turns each sampled token (and its log-probability vector) into a
+:class:`Delta`, decides when the generation ends (end-of-sequence or stop token, stop string,
+``max_tokens``) and keeps the counts and timings for :class:`GenerationStats`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlx_trio.engine.outputs import Delta, FinishReason, GenerationStats, TokenLogprob
+from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.text import TextStream
+
+
+def token_logprob(logprobs: mx.array, token: int, top_n: int) -> TokenLogprob:
+    """The chosen token's log-probability and the ``top_n`` most likely tokens, best first."""
+    chosen = logprobs[token].item()
+    if top_n == 0:
+        return TokenLogprob(token=token, logprob=chosen)
+    top_ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
+    top_values = logprobs[top_ids]
+    order = mx.argsort(-top_values)
+    ids = top_ids[order].tolist()
+    values = top_values[order].tolist()
+    return TokenLogprob(token=token, logprob=chosen, top=tuple(zip(ids, values, strict=True)))
+
+
+class RowDecoder:
+    """Decodes one generation, token by token."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerWrapper,
+        params: SamplingParams,
+        *,
+        num_prompt_tokens: int,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        self.params = params
+        self.stop_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(params.stop_token_ids)
+        self._text = TextStream(tokenizer, params.stop)
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_cached_tokens = num_cached_tokens
+        self._num_generated = 0
+        self._started_at = time.perf_counter()
+        self._first_token_at: float | None = None
+        self._finished_at: float | None = None
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_generated(self) -> int:
+        return self._num_generated
+
+    def feed(self, token: int, logprobs: mx.array | None) -> Delta:
+        """Consume one sampled token; the returned delta carries the finish reason, if any."""
+        assert not self.is_finished, "fed a finished row"
+        now = time.perf_counter()
+        if self._first_token_at is None:
+            self._first_token_at = now
+        self._num_generated += 1
+        if token in self.stop_token_ids:
+            text, _ = self._text.finish()
+            return self._finish(Delta(text=text, token_ids=()), "stop", now)
+
+        record = None
+        if self.params.logprobs and logprobs is not None:
+            record = (token_logprob(logprobs, token, self.params.top_logprobs),)
+        text, matched = self._text.push(token)
+        delta = Delta(text=text, token_ids=(token,), logprobs=record)
+        if matched:
+            return self._finish(delta, "stop", now)
+        if self._num_generated >= self.params.max_tokens:
+            tail, matched = self._text.finish()
+            delta = Delta(text=text + tail, token_ids=(token,), logprobs=record)
+            return self._finish(delta, "stop" if matched else "length", now)
+        return delta
+
+    def _finish(self, delta: Delta, reason: FinishReason, now: float) -> Delta:
+        self.finish_reason = reason
+        self._finished_at = now
+        return Delta(delta.text, delta.token_ids, delta.logprobs, finish_reason=reason)
+
+    def stats(self) -> GenerationStats:
+        """Counts and timings so far (final once the row is finished)."""
+        end = self._finished_at or time.perf_counter()
+        first = self._first_token_at or end
+        return GenerationStats(
+            prompt_tokens=self._num_prompt_tokens,
+            cached_tokens=self._num_cached_tokens,
+            generated_tokens=self._num_generated,
+            prefill_s=first - self._started_at,
+            decode_s=end - first,
+        )

@@ -1,0 +1,107 @@
+"""The engine thread: one long-lived thread that owns all MLX state and runs every MLX call.
+
+mlx-lm's generation stream is thread-local, and ``trio.to_thread.run_sync`` may pick any cached
+thread, so every call that touches MLX goes through one :class:`EngineThread`. MLX releases the
+GIL while it evaluates, so the Trio event loop keeps running during a step (design/002).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    fn: Callable[[], Any]
+    deliver: Callable[[outcome.Outcome], None]
+
+
+class EngineThread:
+    """A single worker thread with a FIFO of jobs. Use as a context manager.
+
+    Jobs run one at a time, in submission order. A job cannot be interrupted once it runs.
+    """
+
+    def __init__(self, name: str = "mlx-trio-engine") -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._closed = False
+
+    def __enter__(self) -> EngineThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def close(self) -> None:
+        """Finish queued jobs, then stop the thread and wait for it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job.deliver(outcome.capture(job.fn))
+
+    def _submit(self, fn: Callable[[], Any], deliver: Callable[[outcome.Outcome], None]) -> None:
+        if self._closed:
+            raise RuntimeError("the engine thread is closed")
+        self._jobs.put(_Job(fn, deliver))
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the engine thread and block until it returns (not from Trio)."""
+        done = threading.Event()
+        box: list[outcome.Outcome] = []
+
+        def deliver(result: outcome.Outcome) -> None:
+            box.append(result)
+            done.set()
+
+        self._submit(lambda: fn(*args), deliver)
+        done.wait()
+        return box[0].unwrap()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the engine thread; await its result without blocking Trio.
+
+        If the awaiting task is cancelled, the job still runs to completion on the engine
+        thread (MLX work cannot be interrupted) and its result or exception is dropped; callers
+        whose state depends on the job finishing shield this call.
+        """
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        box: list[outcome.Outcome] = []
+
+        def wake(result: outcome.Outcome) -> None:
+            box.append(result)
+            done.set()
+
+        def deliver(result: outcome.Outcome) -> None:
+            try:
+                token.run_sync_soon(wake, result)
+            except trio.RunFinishedError:
+                logger.debug("engine job finished after its Trio run ended")
+
+        self._submit(lambda: fn(*args), deliver)
+        await done.wait()
+        return box[0].unwrap()

@@ -1,0 +1,52 @@
+"""The mlx-trio command line, run as a user runs it: a subprocess, stdout and exit status."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def mlx_trio(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_trio.api.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "hi", "--bogus"], "mlx-trio: error: unrecognized arguments: --bogus"),
+        (["generate", "hi", "--max-tokens", "lots"], "mlx-trio: error: argument --max-tokens"),
+        (["generate", "hi", "--temperature", "5"], "mlx-trio: error: temperature must be in"),
+        (["generate", "hi", "--model", "/no/such/model"], "mlx-trio: error: model not found"),
+    ],
+)
+def test_bad_invocations_print_one_line_and_exit_non_zero(args, message, tmp_path):
+    result = mlx_trio(*args)
+    assert result.returncode != 0
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(message)
+
+
+def test_a_file_that_is_not_a_model_is_refused(tmp_path):
+    bogus = tmp_path / "weights.gguf"
+    bogus.write_bytes(b"not a gguf file at all")
+    result = mlx_trio("generate", "hi", "--model", str(bogus))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"mlx-trio: error: not a model directory or a GGUF file: {bogus}"
+    ]
+
+
+@pytest.mark.e2e
+def test_greedy_capital_of_france_is_paris():
+    result = mlx_trio("generate", "What is the capital of France?")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout

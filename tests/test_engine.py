@@ -1,0 +1,194 @@
+"""The engine on a tiny random llama: finish reasons, logprobs, context checks, batching."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.errors import ContextLengthExceededError, InvalidRequestError
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.outputs import RowOutput, RowProgress
+from mlx_trio.engine.params import SamplingParams
+
+PROMPTS = [
+    "the cat sat on the mat",
+    "in the beginning",
+    "a much longer prompt that takes several prefill chunks to read in full, "
+    "so that rows join the batch while others are still decoding",
+    "x",
+    "then",
+]
+
+
+def solo_tokens(engine: Engine, prompt: str, params: SamplingParams) -> list[int]:
+    generation = engine.generate(engine.prepare(prompt, params))
+    return [t for delta in generation for t in delta.token_ids]
+
+
+def run_batch(batch: BatchEngine, until_empty: bool = True) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    while batch.num_rows:
+        for event in batch.step():
+            if isinstance(event, RowOutput):
+                tokens.setdefault(event.row, []).extend(event.delta.token_ids)
+    return tokens
+
+
+def test_max_tokens_ends_with_length_and_exact_count(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=7)
+    generation = tiny_engine.generate(tiny_engine.prepare(PROMPTS[0], params))
+    deltas = list(generation)
+    assert deltas[-1].finish_reason == "length"
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    stats = generation.stats()
+    assert stats.generated_tokens == 7
+    assert stats.prompt_tokens == len(tiny_engine.prepare(PROMPTS[0], params).prompt_tokens)
+
+
+def test_stop_token_id_ends_with_stop_and_is_not_emitted(tiny_engine):
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    tokens = solo_tokens(tiny_engine, PROMPTS[1], greedy)
+    stop_at = tokens[4]
+    first = tokens.index(stop_at)
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_at,))
+    deltas = list(tiny_engine.generate(tiny_engine.prepare(PROMPTS[1], params)))
+    assert deltas[-1].finish_reason == "stop"
+    assert [t for d in deltas for t in d.token_ids] == tokens[:first]
+
+
+def test_stop_string_cuts_text_at_the_match(tiny_engine):
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    full = "".join(d.text for d in tiny_engine.generate(tiny_engine.prepare(PROMPTS[0], greedy)))
+    assert len(full) >= 6, full
+    stop = full[3:6]
+    params = SamplingParams(temperature=0, max_tokens=24, stop=(stop,))
+    deltas = list(tiny_engine.generate(tiny_engine.prepare(PROMPTS[0], params)))
+    assert deltas[-1].finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == full[: full.index(stop)]
+
+
+def test_logprobs_align_with_tokens_and_rank_the_greedy_choice_first(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=True, top_logprobs=5)
+    deltas = list(tiny_engine.generate(tiny_engine.prepare(PROMPTS[2], params)))
+    records = [r for d in deltas for r in (d.logprobs or ())]
+    assert [r.token for r in records] == [t for d in deltas for t in d.token_ids]
+    for delta in deltas:
+        assert len(delta.logprobs or ()) == len(delta.token_ids)
+    for record in records:
+        assert len(record.top) == 5
+        values = [v for _, v in record.top]
+        assert values == sorted(values, reverse=True)
+        assert record.top[0][0] == record.token
+        assert math.isclose(record.top[0][1], record.logprob, rel_tol=1e-6)
+        assert sum(math.exp(v) for v in values) <= 1.0 + 1e-5
+
+
+def test_prompt_over_the_context_is_refused(tiny_engine):
+    long_prompt = "word " * 600
+    with pytest.raises(ContextLengthExceededError, match=r"maximum context length is 512"):
+        tiny_engine.prepare(long_prompt, SamplingParams(max_tokens=1))
+    with pytest.raises(ContextLengthExceededError):
+        tiny_engine.prepare("short", SamplingParams(max_tokens=600))
+
+
+def test_bad_prompts_are_refused_with_param(tiny_engine):
+    with pytest.raises(InvalidRequestError, match=r"^prompt must not be empty$"):
+        tiny_engine.prepare("", SamplingParams())
+    with pytest.raises(InvalidRequestError, match=r"^messages must not be empty$"):
+        tiny_engine.prepare([], SamplingParams())
+    with pytest.raises(InvalidRequestError) as info:
+        tiny_engine.prepare([{"role": "wizard", "content": "hi"}], SamplingParams())
+    assert info.value.param == "messages[0].role"
+    with pytest.raises(InvalidRequestError, match=r"outside the vocabulary") as info:
+        tiny_engine.prepare("hi", SamplingParams(logit_bias={10**6: 1.0}))
+    assert info.value.param == "logit_bias"
+
+
+def test_logit_bias_forces_a_token(tiny_engine):
+    forced = 200
+    params = SamplingParams(temperature=0, max_tokens=4, logit_bias={forced: 100.0})
+    assert solo_tokens(tiny_engine, PROMPTS[0], params) == [forced] * 4
+
+
+def test_batch_rows_added_and_removed_mid_flight_match_solo_runs(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=16)
+    expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS]
+
+    batch = BatchEngine(tiny_engine, max_batch=4, prefill_chunk=8)
+    rows = [batch.add(tiny_engine.prepare(p, params)) for p in PROMPTS[:3]]
+    got: dict[int, list[int]] = {}
+    progress_seen = False
+    for step in range(200):
+        if step == 3:
+            rows.append(batch.add(tiny_engine.prepare(PROMPTS[3], params)))
+        if step == 5:
+            batch.remove([rows[1]])
+            got.pop(rows[1], None)
+        if step == 6:
+            rows.append(batch.add(tiny_engine.prepare(PROMPTS[4], params)))
+        if step > 6 and batch.num_rows == 0:
+            break
+        for event in batch.step():
+            if isinstance(event, RowProgress):
+                progress_seen = True
+                assert 0 < event.done <= event.total
+            elif event.row != rows[1] or step < 5:
+                got.setdefault(event.row, []).extend(event.delta.token_ids)
+    assert batch.num_rows == 0
+    assert progress_seen
+    for i in (0, 2, 3, 4):
+        assert got[rows[i]] == expected[i], f"row {i} differs from its solo run"
+    assert rows[1] not in got
+    batch.close()
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_engine):
+    seeded = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=12)
+    alone = solo_tokens(tiny_engine, PROMPTS[0], seeded)
+    assert alone == solo_tokens(tiny_engine, PROMPTS[0], seeded)
+    other_seed = SamplingParams(temperature=1.0, top_k=50, seed=99, max_tokens=12)
+    assert alone != solo_tokens(tiny_engine, PROMPTS[0], other_seed)
+
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    row = batch.add(tiny_engine.prepare(PROMPTS[0], seeded))
+    batch.add(tiny_engine.prepare(PROMPTS[1], SamplingParams(temperature=0.8, max_tokens=12)))
+    batch.add(tiny_engine.prepare(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12)))
+    assert run_batch(batch)[row] == alone
+
+
+def test_finished_rows_report_stats_and_free_their_kv(tiny_engine):
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    params = SamplingParams(temperature=0, max_tokens=5)
+    for p in PROMPTS[:3]:
+        batch.add(tiny_engine.prepare(p, params))
+    finals = []
+    while batch.num_rows:
+        finals += [e for e in batch.step() if isinstance(e, RowOutput) and e.stats]
+    assert [f.stats.generated_tokens for f in finals] == [5, 5, 5]
+    assert all(f.delta.finish_reason == "length" for f in finals)
+    assert batch.kv_bytes == 0
+
+
+def test_a_parked_row_resumes_with_the_same_greedy_tokens(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS[:3]]
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    rows = [batch.add(tiny_engine.prepare(p, params)) for p in PROMPTS[:3]]
+    got: dict[int, list[int]] = {row: [] for row in rows}
+    steps = 0
+    while batch.num_rows:
+        steps += 1
+        if steps == 6:
+            assert batch.can_park(rows[1])
+            batch.park(rows[1])
+            assert batch.num_active == 2 and batch.num_rows == 3
+            assert batch.kv_bytes > 0
+        if steps == 11:
+            batch.resume(rows[1])
+        for event in batch.step():
+            if isinstance(event, RowOutput):
+                got[event.row].extend(event.delta.token_ids)
+    assert [got[row] for row in rows] == expected
+    assert batch.kv_bytes == 0

@@ -1,0 +1,62 @@
+"""The engine thread runs every job on one thread, in order, without blocking Trio."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from mlx_trio.engine.thread import EngineThread
+
+
+async def test_jobs_run_in_order_on_one_thread_and_errors_propagate():
+    with EngineThread() as engine_thread:
+        idents = [await engine_thread.run(threading.get_ident) for _ in range(5)]
+        assert set(idents) == {engine_thread.ident}
+        assert engine_thread.ident != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            await engine_thread.run(lambda: 1 / 0)
+        assert await engine_thread.run(lambda a, b: a + b, 2, 3) == 5
+
+
+async def test_event_loop_keeps_ticking_while_a_job_blocks():
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.005)
+            ticks += 1
+
+    with EngineThread() as engine_thread:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await engine_thread.run(time.sleep, 0.3)
+            nursery.cancel_scope.cancel()
+    assert ticks >= 10
+
+
+async def test_cancelled_caller_does_not_stop_the_job_and_the_thread_goes_on():
+    ran = threading.Event()
+
+    def slow():
+        time.sleep(0.1)
+        ran.set()
+        return "done"
+
+    with EngineThread() as engine_thread:
+        with trio.move_on_after(0.01) as scope:
+            await engine_thread.run(slow)
+        assert scope.cancelled_caught
+        assert await engine_thread.run(lambda: "next") == "next"
+        assert ran.is_set()
+
+
+def test_call_blocks_from_plain_threads_and_close_refuses_new_jobs():
+    engine_thread = EngineThread()
+    with engine_thread:
+        assert engine_thread.call(threading.get_ident) == engine_thread.ident
+    with pytest.raises(RuntimeError, match="closed"):
+        engine_thread.call(lambda: None)
