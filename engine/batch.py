@@ -13,15 +13,16 @@ row a new uid).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.outputs import RowEvent, RowOutput, RowProgress
-from mlx_trio.engine.params import PreparedRequest
+from mlx_trio.engine.outputs import RowEvent, RowFailed, RowOutput, RowProgress
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.row import RowDecoder
 from mlx_trio.engine.sampling import LogitsProcessor, Sampler, make_row_processors, make_row_sampler
 
@@ -50,8 +51,12 @@ class BatchEngine:
         max_batch: int = 32,
         prefill_batch: int = 8,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        sampler_factory: Callable[[SamplingParams], Sampler | None] = make_row_sampler,
     ) -> None:
+        """``sampler_factory`` builds each row's sampler (None: greedy); it is the seam for
+        injecting a failing sampler."""
         self._engine = engine
+        self._sampler_factory = sampler_factory
         self._generator = BatchGenerator(
             engine.model,
             completion_batch_size=max_batch,
@@ -60,6 +65,7 @@ class BatchEngine:
         )
         self._rows: dict[int, _Row] = {}
         self._row_of_uid: dict[int, int] = {}
+        self._sampler_faults: dict[int, str] = {}
         self._next_row = 0
         self.max_batch = max_batch
 
@@ -85,14 +91,15 @@ class BatchEngine:
         decoder = RowDecoder(
             self._engine.tokenizer, params, num_prompt_tokens=len(request.prompt_tokens)
         )
+        row_id = self._next_row
+        self._next_row += 1
+        sampler = self._sampler_factory(params)
         row = _Row(
             decoder=decoder,
-            sampler=make_row_sampler(params),
+            sampler=None if sampler is None else self._guard(row_id, sampler),
             processors=make_row_processors(params),
             stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
         )
-        row_id = self._next_row
-        self._next_row += 1
         self._rows[row_id] = row
         self._insert(row_id, row, list(request.prompt_tokens), params.max_tokens, None, None)
         return row_id
@@ -117,6 +124,19 @@ class BatchEngine:
         )
         row.uid = uid
         self._row_of_uid[uid] = row_id
+
+    def _guard(self, row_id: int, sampler: Sampler) -> Sampler:
+        """A sampler whose failure fails only its own row: it records the error, returns a
+        placeholder token, and :meth:`step` then drops the row with a :class:`RowFailed`."""
+
+        def guarded(logprobs: mx.array) -> mx.array:
+            try:
+                return sampler(logprobs)
+            except Exception as exc:
+                self._sampler_faults[row_id] = f"sampler failed: {type(exc).__name__}: {exc}"
+                return mx.argmax(logprobs, axis=-1)
+
+        return guarded
 
     def remove(self, rows: Iterable[int]) -> None:
         """Drop rows (cancelled, failed or parked); unknown ids are ignored. Frees their KV."""
@@ -194,6 +214,13 @@ class BatchEngine:
                 finished_here.append(response.uid)
         if finished_here:
             self._generator.remove(finished_here)
+        if self._sampler_faults:
+            faults, self._sampler_faults = self._sampler_faults, {}
+            failed = [row for row in faults if row in self._rows]
+            self.remove(failed)
+            failed_set = set(failed)
+            events = [e for e in events if e.row not in failed_set]
+            events += [RowFailed(row=row, message=faults[row]) for row in failed]
         return events
 
     def close(self) -> None:

@@ -9,8 +9,9 @@ import pytest
 from mlx_trio.engine.batch import BatchEngine
 from mlx_trio.engine.errors import ContextLengthExceededError, InvalidRequestError
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.outputs import RowOutput, RowProgress
+from mlx_trio.engine.outputs import RowFailed, RowOutput, RowProgress
 from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.sampling import make_row_sampler
 
 PROMPTS = [
     "the cat sat on the mat",
@@ -192,3 +193,35 @@ def test_a_parked_row_resumes_with_the_same_greedy_tokens(tiny_engine):
                 got[event.row].extend(event.delta.token_ids)
     assert [got[row] for row in rows] == expected
     assert batch.kv_bytes == 0
+
+
+def test_a_failing_sampler_fails_only_its_own_row(tiny_engine):
+    def sampler_factory(params: SamplingParams):
+        if params.seed != 666:
+            return make_row_sampler(params)
+
+        def explode(logprobs):
+            raise RuntimeError("boom")
+
+        return explode
+
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    expected = [solo_tokens(tiny_engine, p, greedy) for p in PROMPTS[:2]]
+    batch = BatchEngine(tiny_engine, max_batch=4, sampler_factory=sampler_factory)
+    rows = [batch.add(tiny_engine.prepare(p, greedy)) for p in PROMPTS[:2]]
+    doomed = batch.add(
+        tiny_engine.prepare(PROMPTS[2], SamplingParams(temperature=1.0, seed=666, max_tokens=8))
+    )
+    got: dict[int, list[int]] = {row: [] for row in rows}
+    failures = []
+    while batch.num_rows:
+        for event in batch.step():
+            if isinstance(event, RowFailed):
+                failures.append(event)
+            elif isinstance(event, RowOutput):
+                assert event.row != doomed
+                got[event.row].extend(event.delta.token_ids)
+    assert [(f.row, f.message) for f in failures] == [
+        (doomed, "sampler failed: RuntimeError: boom")
+    ]
+    assert [got[row] for row in rows] == expected

@@ -1,0 +1,291 @@
+"""The batch group: continuous batching, one engine step at a time.
+
+An actor with one inbox. Sessions send :class:`AddRow` with their own event channel; the group
+asks the arbiter for the engine lease when it has work, admits rows up to ``max_batch`` (none
+while draining), steps the engine, and fans each row's events out to its session with
+``send_nowait``, so one slow reader never slows the batch: when a session's channel is full the
+row is parked (its KV leaves the batch) and a small delivery task waits for the reader, then asks
+the group to resume it. A session that left (its channel closed) loses its row before the next
+step. A step that raises fails the rows of that step and the batch is rebuilt; a step that passes
+the watchdog abandons them. The lease goes back when no row is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import assert_never
+
+import trio
+
+from mlx_trio.actors.arbiter import (
+    Acquire,
+    ArbiterMessage,
+    DrainCalledOff,
+    DrainRequested,
+    Lease,
+    Release,
+)
+from mlx_trio.actors.channels import receiver_left
+from mlx_trio.actors.lanes import Abandoned, LaneEvent, is_final
+from mlx_trio.actors.port import EnginePort
+from mlx_trio.engine.outputs import RowFailed, RowProgress
+from mlx_trio.engine.params import PreparedRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AddRow:
+    request: PreparedRequest
+    events: trio.MemorySendChannel[LaneEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class BacklogDelivered:
+    member: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderGone:
+    member: int
+
+
+BatchMessage = AddRow | Lease | DrainRequested | DrainCalledOff | BacklogDelivered | ReaderGone
+
+
+@dataclass(slots=True)
+class _Member:
+    """A session's row, as the group tracks it."""
+
+    events: trio.MemorySendChannel[LaneEvent]
+    row: int
+    parked: bool = False
+    backlog: deque[LaneEvent] = field(default_factory=deque)
+
+    @property
+    def is_delivering(self) -> bool:
+        return bool(self.backlog)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStatistics:
+    active_rows: int
+    parked_rows: int
+    pending_rows: int
+    rows_submitted: int
+    steps: int
+    faults: int
+    stuck_steps: int
+    consecutive_faults: int
+    parks: int
+    holds_lease: bool
+    draining: bool
+
+
+class BatchGroup:
+    def __init__(
+        self,
+        engine: EnginePort,
+        arbiter: trio.MemorySendChannel[ArbiterMessage],
+        *,
+        max_batch: int,
+        step_timeout_s: float,
+        inbox_size: int,
+    ) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self.step_timeout_s = step_timeout_s
+        self.inbox, self._recv = trio.open_memory_channel[BatchMessage](inbox_size)
+        self._arbiter = arbiter
+        self._pending: deque[AddRow] = deque()
+        self._members: dict[int, _Member] = {}
+        self._keys = itertools.count()
+        self._lease: Lease | None = None
+        self._asked = False
+        self._draining = False
+        self._nursery: trio.Nursery | None = None
+        self._rows_submitted = 0
+        self._steps = 0
+        self._faults = 0
+        self._stuck = 0
+        self._consecutive_faults = 0
+        self._parks = 0
+
+    def statistics(self) -> BatchStatistics:
+        parked = sum(1 for m in self._members.values() if m.parked)
+        return BatchStatistics(
+            active_rows=len(self._members) - parked,
+            parked_rows=parked,
+            pending_rows=len(self._pending),
+            rows_submitted=self._rows_submitted,
+            steps=self._steps,
+            faults=self._faults,
+            stuck_steps=self._stuck,
+            consecutive_faults=self._consecutive_faults,
+            parks=self._parks,
+            holds_lease=self._lease is not None,
+            draining=self._draining,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery, self._recv:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                await self._advance()
+                if not self._can_step():
+                    await self._handle(await self._recv.receive())
+                while True:
+                    try:
+                        message = self._recv.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    await self._handle(message)
+
+    # -- messages ---------------------------------------------------------------------------
+
+    async def _handle(self, message: BatchMessage) -> None:
+        match message:
+            case AddRow():
+                self._pending.append(message)
+            case Lease():
+                # A fresh lease starts undrained: a DrainRequested that crossed our Release in
+                # flight is stale, and the arbiter asks again if a serial waiter is queued.
+                self._lease = message
+                self._asked = False
+                self._draining = False
+            case DrainRequested():
+                self._draining = True
+            case DrainCalledOff():
+                self._draining = False
+            case BacklogDelivered(key):
+                member = self._members.get(key)
+                if member is not None and member.parked and not member.backlog:
+                    member.parked = False
+                    await self.engine.batch_resume(member.row)
+            case ReaderGone(key):
+                member = self._members.pop(key, None)
+                if member is not None:
+                    await self.engine.batch_remove([member.row])
+            case _:
+                assert_never(message)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _num_active(self) -> int:
+        return sum(1 for m in self._members.values() if not m.parked)
+
+    def _can_admit(self) -> bool:
+        return bool(self._pending) and not self._draining and len(self._members) < self.max_batch
+
+    def _can_step(self) -> bool:
+        return self._lease is not None and (self._num_active() > 0 or self._can_admit())
+
+    async def _advance(self) -> None:
+        """Admit, step once, give the lease back when empty, ask for it when there is work."""
+        if self._lease is not None:
+            await self._admit()
+            await self._drop_departed()
+            if self._num_active() > 0:
+                await self._step()
+            if not self._members and (self._draining or not self._pending):
+                lease, self._lease = self._lease, None
+                self._draining = False
+                await self._arbiter.send(Release(lease))
+        if self._lease is None and (self._pending or self._members) and not self._asked:
+            self._asked = True
+            await self._arbiter.send(Acquire("batch", self.inbox))
+
+    async def _admit(self) -> None:
+        while self._can_admit():
+            add = self._pending.popleft()
+            if receiver_left(add.events):
+                continue
+            row = await self.engine.batch_add(add.request)
+            self._members[next(self._keys)] = _Member(add.events, row)
+            self._rows_submitted += 1
+
+    async def _drop_departed(self) -> None:
+        departed = [k for k, m in self._members.items() if not m.parked and receiver_left(m.events)]
+        if departed:
+            rows = [self._members.pop(k).row for k in departed]
+            await self.engine.batch_remove(rows)
+
+    async def _step(self) -> None:
+        self._steps += 1
+        try:
+            with trio.move_on_after(self.step_timeout_s) as watchdog:
+                events = await self.engine.batch_step()
+        except Exception as exc:
+            self._faults += 1
+            self._consecutive_faults += 1
+            logger.exception("batch step failed; failing %d row(s)", len(self._members))
+            message = f"engine error: {type(exc).__name__}: {exc}"
+            await self._fail_all(lambda row: RowFailed(row, message))
+            return
+        if watchdog.cancelled_caught:
+            self._stuck += 1
+            self._consecutive_faults += 1
+            logger.error("batch step exceeded the %.1f s watchdog", self.step_timeout_s)
+            message = f"an engine step took longer than the {self.step_timeout_s:g} s watchdog"
+            await self._fail_all(lambda _row: Abandoned(message))
+            return
+        self._consecutive_faults = 0
+        by_row = {m.row: k for k, m in self._members.items()}
+        for event in events:
+            key = by_row.get(event.row)
+            if key is not None:
+                await self._dispatch(key, event)
+
+    async def _fail_all(self, make_event: Callable[[int], LaneEvent]) -> None:
+        """End every member's row with ``make_event(row)`` and rebuild the batch."""
+        members, self._members = self._members, {}
+        await self.engine.batch_reset()
+        for key, member in members.items():
+            self._deliver(key, member, make_event(member.row))
+
+    # -- fan-out ----------------------------------------------------------------------------
+
+    async def _dispatch(self, key: int, event: LaneEvent) -> None:
+        member = self._members[key]
+        final = is_final(event)
+        if final:
+            del self._members[key]
+        if member.is_delivering:
+            member.backlog.append(event)
+            return
+        try:
+            member.events.send_nowait(event)
+        except trio.WouldBlock:
+            if isinstance(event, RowProgress):
+                return  # advisory: a later progress event supersedes it
+            if not final and await self.engine.batch_park(member.row):
+                member.parked = True
+                self._parks += 1
+            self._deliver(key, member, event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            if not final:
+                del self._members[key]
+                await self.engine.batch_remove([member.row])
+
+    def _deliver(self, key: int, member: _Member, event: LaneEvent) -> None:
+        """Queue ``event`` behind the member's backlog; start its delivery task if idle."""
+        member.backlog.append(event)
+        if len(member.backlog) == 1:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._deliver_backlog, key, member)
+
+    async def _deliver_backlog(self, key: int, member: _Member) -> None:
+        try:
+            while member.backlog:
+                await member.events.send(member.backlog[0])
+                member.backlog.popleft()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            member.backlog.clear()
+            await self.inbox.send(ReaderGone(key))
+            return
+        await self.inbox.send(BacklogDelivered(key))

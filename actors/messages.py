@@ -1,0 +1,104 @@
+"""The runtime's public vocabulary: a request, the events a session publishes, its outcome.
+
+Frozen values with no MLX in them. A session publishes any number of :class:`TextDelta` and
+:class:`Progress` events and then exactly one outcome (:class:`Completed`, :class:`Cancelled` or
+:class:`Failed`), which is also what ``handle.result()`` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mlx_trio.engine.outputs import FinishReason, TokenLogprob
+from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.prompt import ChatMessage
+
+CancelReason = Literal[
+    "requested", "consumer_closed", "consumer_idle", "deadline", "shutdown", "engine_fault"
+]
+CANCEL_REASONS: tuple[CancelReason, ...] = (
+    "requested",
+    "consumer_closed",
+    "consumer_idle",
+    "deadline",
+    "shutdown",
+    "engine_fault",
+)
+Lane = Literal["serial", "batch"]
+SessionState = Literal["created", "queued", "preparing", "running", "settling", "terminal"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What to generate.
+
+    ``prompt`` is plain text (a completion) or chat messages (the chat template applies).
+    ``reproducible`` asks for the serial lane: the same output as a solo run, bit for bit.
+    ``timeout_s`` is one deadline over queueing, prefill and decode.
+    """
+
+    prompt: str | tuple[ChatMessage, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    reproducible: bool = False
+    timeout_s: float | None = None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Prompt processing progress: ``done`` of ``total`` prompt tokens."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Seconds spent queued (admission and lane), to first token, and decoding."""
+
+    queued_s: float
+    ttft_s: float | None
+    decode_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    lane: Lane
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    reason: CancelReason
+    usage: Usage
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    code: str
+    message: str
+
+
+Outcome = Completed | Cancelled | Failed
+Event = TextDelta | Progress | Completed | Cancelled | Failed

@@ -1,0 +1,67 @@
+"""The one interface between the runtime and an engine.
+
+The runtime calls these from Trio; an implementation runs the MLX work elsewhere
+(``mlx_trio.engine.threaded.ThreadedEngine``, on the engine thread) or scripts it
+(``mlx_trio.actors.scripted.ScriptedEngine``, for tests and fault injection). The runtime
+guarantees mutual exclusion: at most one ``serial_*``/``batch_*`` call is in flight at a time,
+and serial and batch calls never interleave while rows or a serial run are live in the other.
+``prepare`` may run at any time.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from mlx_trio.engine.outputs import RowEvent
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from mlx_trio.engine.prompt import Prompt
+
+
+class EnginePort(Protocol):
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes held by live rows, as of the last engine call."""
+        ...
+
+    async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        """Tokenize and check; raises ``InvalidRequestError``. Holds no engine resources."""
+        ...
+
+    def unbatchable_reason(self, request: PreparedRequest) -> str | None:
+        """Why this request must take the serial lane, or None if it can batch."""
+        ...
+
+    async def serial_start(self, request: PreparedRequest) -> None:
+        """Begin the single serial run (its events carry row id 0)."""
+        ...
+
+    async def serial_step(self) -> list[RowEvent]:
+        """Advance the serial run by one token (or one prefill chunk)."""
+        ...
+
+    async def serial_stop(self) -> None:
+        """End the serial run, finished or not, and free its KV."""
+        ...
+
+    async def batch_add(self, request: PreparedRequest) -> int:
+        """Queue a row for the batch; returns its row id."""
+        ...
+
+    async def batch_step(self) -> list[RowEvent]:
+        """One decode step for generating rows plus one prefill chunk for the others."""
+        ...
+
+    async def batch_remove(self, rows: list[int]) -> None: ...
+
+    async def batch_park(self, row: int) -> bool:
+        """Take a generating row out of the batch, keeping its KV; False if it cannot be."""
+        ...
+
+    async def batch_resume(self, row: int) -> None: ...
+
+    async def batch_reset(self) -> None:
+        """Drop every row and start a fresh batch (after a step raised)."""
+        ...

@@ -1,0 +1,310 @@
+"""The runtime: the actors' nursery, placement, submission, statistics and shutdown.
+
+:func:`open_runtime_actors` starts the admission gate, the engine arbiter, the serial executor
+and the batch group in one nursery, and runs each session as a task in a second nursery inside
+it, so no task outlives the runtime. Leaving the context closes admission, lets in-flight
+sessions finish within ``shutdown_grace_s``, cancels the rest with reason ``shutdown``, then
+stops the actors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import trio
+
+from mlx_trio.actors import gate
+from mlx_trio.actors.arbiter import EngineArbiter, LeaseKind, Release, acquire
+from mlx_trio.actors.batch_group import BatchGroup
+from mlx_trio.actors.channels import take_buffered
+from mlx_trio.actors.messages import (
+    CANCEL_REASONS,
+    Cancelled,
+    Completed,
+    Event,
+    Failed,
+    GenerationRequest,
+    Lane,
+)
+from mlx_trio.actors.port import EnginePort
+from mlx_trio.actors.serial import SerialExecutor
+from mlx_trio.actors.session import Session, SessionLinks
+from mlx_trio.engine.errors import RuntimeClosedError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """How the runtime schedules.
+
+    ``max_batch``: rows in the batch (1 turns batching off: every request takes the serial
+    lane). ``max_live``: sessions holding an admission permit; ``max_queued``: sessions waiting
+    for one (beyond both: refused with ``OverloadedError``). ``event_buffer``: events a session
+    buffers for a slow consumer; ``idle_timeout_s``: how long an event may wait for the consumer
+    before the session is cancelled ``consumer_idle``. ``step_timeout_s``: the step watchdog.
+    ``unhealthy_after_faults``: consecutive step faults that make ``is_healthy`` false.
+    """
+
+    max_batch: int = 8
+    max_live: int | None = None
+    max_queued: int = 64
+    event_buffer: int = 64
+    idle_timeout_s: float = 30.0
+    step_timeout_s: float = 60.0
+    shutdown_grace_s: float = 10.0
+    retry_after_s: float = 1.0
+    unhealthy_after_faults: int = 3
+
+    @property
+    def live_limit(self) -> int:
+        return self.max_live if self.max_live is not None else max(2 * self.max_batch, 4)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStatistics:
+    """A snapshot of the runtime (Trio-style ``statistics()``)."""
+
+    lane_mode: Literal["idle", "batch", "serial", "exclusive", "draining"]
+    live_sessions: int
+    queued_sessions: int
+    active_rows: int
+    parked_rows: int
+    pending_rows: int
+    rows_submitted: dict[str, int]
+    drains: int
+    completed: int
+    cancelled: dict[str, int]
+    failed: dict[str, int]
+    refused: int
+    engine_faults: int
+    stuck_steps: int
+    kv_bytes: int
+    is_healthy: bool
+    is_closed: bool
+
+
+class Runtime:
+    """Submit requests; read their events through the returned session."""
+
+    def __init__(self, engine: EnginePort, config: RuntimeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.gate = gate.AdmissionGate(
+            max_live=config.live_limit,
+            max_queued=config.max_queued,
+            retry_after_s=config.retry_after_s,
+        )
+        inbox_size = config.live_limit + config.max_queued + 64
+        self.arbiter = EngineArbiter(inbox_size=inbox_size)
+        self.batch_group = BatchGroup(
+            engine,
+            self.arbiter.inbox,
+            max_batch=config.max_batch,
+            step_timeout_s=config.step_timeout_s,
+            inbox_size=inbox_size,
+        )
+        self.serial = SerialExecutor(
+            engine, self.arbiter.inbox, step_timeout_s=config.step_timeout_s
+        )
+        self._links = SessionLinks(
+            gate=self.gate.inbox,
+            arbiter=self.arbiter.inbox,
+            batch=self.batch_group.inbox,
+            serial=self.serial.inbox,
+        )
+        self._ids = itertools.count(1)
+        self._sessions: dict[str, Session] = {}
+        self._sessions_nursery: trio.Nursery | None = None
+        self._no_sessions = trio.Event()
+        self._no_sessions.set()
+        self._closed = False
+        self._outcomes: Counter[str] = Counter()
+        self._rows_by_lane: Counter[str] = Counter()
+
+    # -- submission -------------------------------------------------------------------------
+
+    def place(self, request: GenerationRequest, reason: str | None) -> Lane:
+        """The lane for a request: serial if batching is off, asked for, or impossible."""
+        if self.config.max_batch == 1 or request.reproducible or reason is not None:
+            return "serial"
+        return "batch"
+
+    async def submit(
+        self, request: GenerationRequest
+    ) -> tuple[Session, trio.MemoryReceiveChannel[Event]]:
+        """Check, admit and start a request; return its session and its event channel.
+
+        Raises ``InvalidRequestError`` (nothing admitted), ``OverloadedError`` or
+        ``RuntimeClosedError`` (nothing queued). If cancelled, nothing is left admitted.
+        """
+        if self._closed:
+            raise RuntimeClosedError("the runtime is shutting down and admits no new requests")
+        prepared = await self.engine.prepare(request.prompt, request.params)
+        lane = self.place(request, self.engine.unbatchable_reason(prepared))
+        reply_send, reply_recv = trio.open_memory_channel[gate.Reply](2)
+        try:
+            await self.gate.inbox.send(gate.Admit(reply_send))
+            first = await reply_recv.receive()
+        except BaseException:
+            with trio.move_on_after(1.0, shield=True):
+                permit = take_buffered(reply_recv, gate.Permit)
+                await reply_recv.aclose()
+                if permit is not None:
+                    await self.gate.inbox.send(gate.Release(permit))
+            raise
+        if isinstance(first, gate.Refused):
+            await reply_recv.aclose()
+            raise first.error
+        # Put a permit granted at once back in the channel, where the session looks for it.
+        await reply_send.send(first)
+        consumer_send, consumer_recv = trio.open_memory_channel[Event](self.config.event_buffer)
+        deadline = (
+            trio.current_time() + request.timeout_s if request.timeout_s is not None else math.inf
+        )
+        session = Session(
+            request.request_id or f"req-{next(self._ids)}",
+            prepared,
+            lane=lane,
+            links=self._links,
+            consumer=consumer_send,
+            idle_timeout_s=self.config.idle_timeout_s,
+            deadline=deadline,
+        )
+        assert self._sessions_nursery is not None, "the runtime is not running"
+        self._sessions[session.id] = session
+        self._no_sessions = trio.Event() if self._no_sessions.is_set() else self._no_sessions
+        self._rows_by_lane[lane] += 1
+        self._sessions_nursery.start_soon(self._run_session, session, reply_recv)
+        return session, consumer_recv
+
+    async def _run_session(
+        self, session: Session, admission: trio.MemoryReceiveChannel[gate.Reply]
+    ) -> None:
+        try:
+            await session.run(admission)
+        finally:
+            del self._sessions[session.id]
+            self._record(session)
+            if not self._sessions:
+                self._no_sessions.set()
+
+    def _record(self, session: Session) -> None:
+        match session.outcome:
+            case Completed():
+                self._outcomes["completed"] += 1
+            case Cancelled(reason=reason):
+                self._outcomes[f"cancelled:{reason}"] += 1
+            case Failed(code=code):
+                self._outcomes[f"failed:{code}"] += 1
+        logger.info("session %s lane=%s outcome=%s", session.id, session.lane, session.outcome)
+
+    def session(self, session_id: str) -> Session | None:
+        """A live session by id (for cancellation by id)."""
+        return self._sessions.get(session_id)
+
+    # -- exclusive work ---------------------------------------------------------------------
+
+    async def run_exclusive(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn`` with sole use of the engine, draining the batch first."""
+        return await self._with_lease("exclusive", fn)
+
+    async def run_when_idle(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn`` with sole use of the engine once it is idle, without causing a drain."""
+        return await self._with_lease("idle", fn)
+
+    async def _with_lease(self, kind: LeaseKind, fn: Callable[[], Awaitable[T]]) -> T:
+        lease = await acquire(self.arbiter.inbox, kind)
+        try:
+            return await fn()
+        finally:
+            with trio.move_on_after(1.0, shield=True):
+                await self.arbiter.inbox.send(Release(lease))
+
+    # -- statistics and shutdown ------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        batch = self.batch_group.statistics()
+        return batch.consecutive_faults < self.config.unhealthy_after_faults and not (
+            batch.stuck_steps or self.serial.statistics().stuck_steps
+        )
+
+    def statistics(self) -> RuntimeStatistics:
+        gate_stats = self.gate.statistics()
+        arbiter = self.arbiter.statistics()
+        batch = self.batch_group.statistics()
+        serial = self.serial.statistics()
+        holder = "exclusive" if arbiter.holder == "idle" else arbiter.holder
+        mode = "draining" if arbiter.draining else (holder or "idle")
+        cancelled = {r: self._outcomes[f"cancelled:{r}"] for r in CANCEL_REASONS}
+        failed = {
+            k.split(":", 1)[1]: v for k, v in self._outcomes.items() if k.startswith("failed:")
+        }
+        return RuntimeStatistics(
+            lane_mode=mode,
+            live_sessions=gate_stats.live,
+            queued_sessions=gate_stats.queued,
+            active_rows=batch.active_rows,
+            parked_rows=batch.parked_rows,
+            pending_rows=batch.pending_rows,
+            rows_submitted={"batch": batch.rows_submitted, "serial": serial.runs},
+            drains=arbiter.drains,
+            completed=self._outcomes["completed"],
+            cancelled=cancelled,
+            failed=failed,
+            refused=gate_stats.refused,
+            engine_faults=batch.faults + serial.faults,
+            stuck_steps=batch.stuck_steps + serial.stuck_steps,
+            kv_bytes=self.engine.kv_bytes,
+            is_healthy=self.is_healthy,
+            is_closed=self._closed,
+        )
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Close admission, let sessions finish within the grace period, cancel the rest."""
+        self._closed = True
+        await self.gate.inbox.send(gate.Close())
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        with trio.move_on_after(grace):
+            await self._no_sessions.wait()
+        for session in list(self._sessions.values()):
+            session.cancel("shutdown")
+        await self._no_sessions.wait()
+        # The lanes drop the departed sessions' rows at their next step, then go idle.
+        with trio.move_on_after(self.config.step_timeout_s):
+            await self.run_when_idle(_nothing)
+
+
+async def _nothing() -> None:
+    return None
+
+
+@asynccontextmanager
+async def open_runtime_actors(
+    engine: EnginePort, config: RuntimeConfig | None = None
+) -> AsyncIterator[Runtime]:
+    """Start the runtime's actors; shut down gracefully on exit."""
+    runtime = Runtime(engine, config or RuntimeConfig())
+    async with trio.open_nursery() as actors:
+        await actors.start(runtime.gate.run)
+        await actors.start(runtime.arbiter.run)
+        await actors.start(runtime.serial.run)
+        await actors.start(runtime.batch_group.run)
+        async with trio.open_nursery() as sessions:
+            runtime._sessions_nursery = sessions
+            try:
+                yield runtime
+            finally:
+                with trio.CancelScope(shield=True):
+                    await runtime.shutdown()
+        actors.cancel_scope.cancel()

@@ -1,0 +1,296 @@
+"""A scripted engine: deterministic tokens, controllable step time, injectable faults.
+
+It stands in for the real engine in actor tests and in the fault-injection harness, through the
+same :class:`EnginePort` interface, and it checks the runtime's promises as it goes: it raises
+:class:`ExclusionViolation` if two engine calls overlap or the serial lane runs while batch rows
+are live. Step time is ``trio.sleep``, so tests run it under ``MockClock`` instantly.
+
+A prompt's "tokens" are its characters; generated token ``i`` of a request is a pure function of
+its prompt and ``i``, so outputs are the same alone or in any batch, and its text is ``"t<id> "``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import trio
+
+from mlx_trio.engine.errors import InvalidRequestError
+from mlx_trio.engine.outputs import (
+    Delta,
+    FinishReason,
+    GenerationStats,
+    RowEvent,
+    RowFailed,
+    RowOutput,
+    RowProgress,
+)
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from mlx_trio.engine.prompt import Prompt, check_fits, check_messages
+from mlx_trio.engine.text import StopStringMatcher
+
+VOCAB_SIZE = 1000
+EOS_TOKEN = 0
+BYTES_PER_TOKEN = 1024
+
+
+class ExclusionViolation(AssertionError):
+    """The runtime broke the engine's mutual-exclusion contract."""
+
+
+class InjectedFault(RuntimeError):
+    """A fault the script was told to raise."""
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """What the scripted engine does besides generating.
+
+    ``fail_batch_steps`` / ``hang_batch_steps``: global batch step numbers (from 1) that raise or
+    never return. ``row_faults``: prompt text -> the generated-token index at which that row's
+    sampler raises. ``step_s``: simulated time per step; ``slow_steps`` overrides it per step.
+    """
+
+    step_s: float = 0.01
+    prefill_chunk: int = 64
+    context_length: int = 4096
+    batchable: bool = True
+    fail_batch_steps: frozenset[int] = frozenset()
+    hang_batch_steps: frozenset[int] = frozenset()
+    slow_steps: Mapping[int, float] = field(default_factory=dict)
+    row_faults: Mapping[str, int] = field(default_factory=dict)
+
+
+def expected_tokens(prompt_tokens: tuple[int, ...], n: int) -> list[int]:
+    """The tokens the scripted engine generates for a prompt (never EOS)."""
+    seed = zlib.crc32(bytes(t % 256 for t in prompt_tokens))
+    return [1 + (seed + 7919 * i) % (VOCAB_SIZE - 1) for i in range(n)]
+
+
+def token_text(token: int) -> str:
+    return f"t{token} "
+
+
+@dataclass(slots=True)
+class _Row:
+    request: PreparedRequest
+    fault_at: int | None
+    prefilled: int = 0
+    generated: int = 0
+    parked: bool = False
+    matcher: StopStringMatcher | None = None
+
+    def __post_init__(self) -> None:
+        self.matcher = StopStringMatcher(self.request.params.stop)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_tokens)
+
+
+class ScriptedEngine:
+    """An :class:`EnginePort` that needs no model."""
+
+    def __init__(self, script: Script | None = None, *, model_id: str = "scripted") -> None:
+        self.script = script or Script()
+        self._model_id = model_id
+        self._rows: dict[int, _Row] = {}
+        self._serial: _Row | None = None
+        self._next_row = 0
+        self._in_call = False
+        self.num_batch_steps = 0
+        self.num_serial_steps = 0
+        self.max_active_rows = 0
+        self.call_log: list[str] = []
+        self.on_call: Callable[[str], None] | None = None
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def kv_bytes(self) -> int:
+        rows = list(self._rows.values()) + ([self._serial] if self._serial else [])
+        return sum((r.prefilled + r.generated) * BYTES_PER_TOKEN for r in rows)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def serial_active(self) -> bool:
+        return self._serial is not None
+
+    async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            text = prompt
+        else:
+            text = "\n".join(m.content for m in check_messages(prompt))
+        tokens = tuple(ord(c) for c in text) or (1,)
+        check_fits(len(tokens), params.max_tokens, self.script.context_length)
+        return PreparedRequest(prompt_tokens=tokens, params=params)
+
+    def unbatchable_reason(self, request: PreparedRequest) -> str | None:
+        return None if self.script.batchable else "the scripted model cannot batch"
+
+    # -- the call guard -------------------------------------------------------------------
+
+    async def _enter(self, name: str, lane: str) -> None:
+        if self._in_call:
+            raise ExclusionViolation(f"{name} overlapped another engine call")
+        if lane == "serial" and self._rows:
+            raise ExclusionViolation(f"{name} while {len(self._rows)} batch rows are live")
+        if lane == "batch" and self._serial is not None:
+            raise ExclusionViolation(f"{name} while a serial run is live")
+        self._in_call = True
+        self.call_log.append(name)
+        if self.on_call is not None:
+            self.on_call(name)
+
+    def _leave(self) -> None:
+        self._in_call = False
+
+    # -- the serial lane --------------------------------------------------------------------
+
+    async def serial_start(self, request: PreparedRequest) -> None:
+        await self._enter("serial_start", "serial")
+        try:
+            assert self._serial is None, "serial_start while a serial run is live"
+            self._serial = _Row(request, self._fault_at(request))
+        finally:
+            self._leave()
+
+    async def serial_step(self) -> list[RowEvent]:
+        await self._enter("serial_step", "serial")
+        try:
+            assert self._serial is not None
+            self.num_serial_steps += 1
+            await trio.sleep(self.script.step_s)
+            row = self._serial
+            if row.prefilled < row.prompt_len:
+                row.prefilled = min(row.prompt_len, row.prefilled + self.script.prefill_chunk)
+                return [RowProgress(0, row.prefilled, row.prompt_len)]
+            event = self._emit(0, row)
+            if not isinstance(event, RowProgress) and _ends(event):
+                self._serial = None
+            return [event]
+        finally:
+            self._leave()
+
+    async def serial_stop(self) -> None:
+        await self._enter("serial_stop", "serial")
+        self._serial = None
+        self._leave()
+
+    # -- the batch lane ---------------------------------------------------------------------
+
+    async def batch_add(self, request: PreparedRequest) -> int:
+        await self._enter("batch_add", "batch")
+        try:
+            row = self._next_row
+            self._next_row += 1
+            self._rows[row] = _Row(request, self._fault_at(request))
+            return row
+        finally:
+            self._leave()
+
+    async def batch_step(self) -> list[RowEvent]:
+        await self._enter("batch_step", "batch")
+        try:
+            self.num_batch_steps += 1
+            n = self.num_batch_steps
+            active = {k: r for k, r in self._rows.items() if not r.parked}
+            self.max_active_rows = max(self.max_active_rows, len(active))
+            if n in self.script.hang_batch_steps:
+                await trio.sleep_forever()
+            await trio.sleep(self.script.slow_steps.get(n, self.script.step_s))
+            if n in self.script.fail_batch_steps:
+                raise InjectedFault(f"injected failure of batch step {n}")
+            events: list[RowEvent] = []
+            for row_id, row in active.items():
+                if row.prefilled < row.prompt_len:
+                    row.prefilled = min(row.prompt_len, row.prefilled + self.script.prefill_chunk)
+                    events.append(RowProgress(row_id, row.prefilled, row.prompt_len))
+                    continue
+                event = self._emit(row_id, row)
+                events.append(event)
+                if _ends(event):
+                    del self._rows[row_id]
+            return events
+        finally:
+            self._leave()
+
+    async def batch_remove(self, rows: list[int]) -> None:
+        await self._enter("batch_remove", "batch")
+        for row in rows:
+            self._rows.pop(row, None)
+        self._leave()
+
+    async def batch_park(self, row: int) -> bool:
+        await self._enter("batch_park", "batch")
+        try:
+            state = self._rows.get(row)
+            if state is None or state.generated == 0 or state.parked:
+                return False
+            state.parked = True
+            return True
+        finally:
+            self._leave()
+
+    async def batch_resume(self, row: int) -> None:
+        await self._enter("batch_resume", "batch")
+        self._rows[row].parked = False
+        self._leave()
+
+    async def batch_reset(self) -> None:
+        # A reset may follow a hung step whose call never returned: clear the guard too.
+        self._in_call = False
+        await self._enter("batch_reset", "batch")
+        self._rows.clear()
+        self._leave()
+
+    # -- generation -------------------------------------------------------------------------
+
+    def _fault_at(self, request: PreparedRequest) -> int | None:
+        text = "".join(chr(t) for t in request.prompt_tokens)
+        return self.script.row_faults.get(text)
+
+    def _emit(self, row_id: int, row: _Row) -> RowEvent:
+        if row.fault_at is not None and row.generated == row.fault_at:
+            return RowFailed(row_id, f"injected sampler failure at token {row.generated}")
+        params = row.request.params
+        token = expected_tokens(row.request.prompt_tokens, row.generated + 1)[-1]
+        row.generated += 1
+        finish: FinishReason | None = None
+        if token in params.stop_token_ids:
+            text, token_ids, finish = "", (), "stop"
+        else:
+            assert row.matcher is not None
+            text, matched = row.matcher.push(token_text(token))
+            token_ids = (token,)
+            if matched:
+                finish = "stop"
+            elif row.generated >= params.max_tokens:
+                text += row.matcher.flush()
+                finish = "length"
+        delta = Delta(text=text, token_ids=token_ids, finish_reason=finish)
+        stats = None
+        if finish is not None:
+            stats = GenerationStats(
+                prompt_tokens=row.prompt_len,
+                cached_tokens=0,
+                generated_tokens=row.generated,
+                prefill_s=0.0,
+                decode_s=0.0,
+            )
+        return RowOutput(row_id, delta, stats)
+
+
+def _ends(event: RowEvent) -> bool:
+    return isinstance(event, RowFailed) or (
+        isinstance(event, RowOutput) and event.stats is not None
+    )

@@ -1,0 +1,117 @@
+"""The serial executor: one generation at a time, with sole use of the engine.
+
+A session acquires the engine lease (kind ``serial``) itself, so that cancelling it while it
+waits withdraws the request and ends any drain it caused; then it hands the lease and its
+request here. The executor runs the generation one step at a time, sending each event to the
+session's channel (a serial run may wait for its one consumer; the idle timeout bounds that),
+and always ends the run and releases the lease, however the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from mlx_trio.actors.arbiter import ArbiterMessage, Lease, Release
+from mlx_trio.actors.channels import receiver_left
+from mlx_trio.actors.lanes import Abandoned, LaneEvent, is_final
+from mlx_trio.actors.port import EnginePort
+from mlx_trio.engine.outputs import RowFailed
+from mlx_trio.engine.params import PreparedRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SerialJob:
+    request: PreparedRequest
+    lease: Lease
+    events: trio.MemorySendChannel[LaneEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class SerialStatistics:
+    runs: int
+    running: bool
+    faults: int
+    stuck_steps: int
+
+
+class SerialExecutor:
+    def __init__(
+        self,
+        engine: EnginePort,
+        arbiter: trio.MemorySendChannel[ArbiterMessage],
+        *,
+        step_timeout_s: float,
+    ) -> None:
+        self.engine = engine
+        self.step_timeout_s = step_timeout_s
+        # The lease makes jobs one at a time, so one slot is all the inbox ever needs.
+        self.inbox, self._recv = trio.open_memory_channel[SerialJob](1)
+        self._arbiter = arbiter
+        self._runs = 0
+        self._running = False
+        self._faults = 0
+        self._stuck = 0
+
+    def statistics(self) -> SerialStatistics:
+        return SerialStatistics(self._runs, self._running, self._faults, self._stuck)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self._recv:
+            async for job in self._recv:
+                self._runs += 1
+                self._running = True
+                try:
+                    await self._run_job(job)
+                finally:
+                    self._running = False
+                    with trio.move_on_after(1.0, shield=True):
+                        await self._arbiter.send(Release(job.lease))
+
+    async def _run_job(self, job: SerialJob) -> None:
+        events = job.events
+        started = False
+        finished = False
+        try:
+            if receiver_left(events):
+                return
+            await self.engine.serial_start(job.request)
+            started = True
+            while not finished and not receiver_left(events):
+                with trio.move_on_after(self.step_timeout_s) as watchdog:
+                    step = await self.engine.serial_step()
+                if watchdog.cancelled_caught:
+                    self._stuck += 1
+                    logger.error("serial step exceeded the %.1f s watchdog", self.step_timeout_s)
+                    await _send_quietly(events, _stuck_event(self.step_timeout_s))
+                    return
+                for event in step:
+                    finished = finished or is_final(event)
+                    await events.send(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            logger.debug("serial run's consumer left; stopping it")
+        except Exception as exc:
+            self._faults += 1
+            logger.exception("serial run failed")
+            await _send_quietly(events, RowFailed(0, f"engine error: {type(exc).__name__}: {exc}"))
+        finally:
+            if started and not finished:
+                with trio.move_on_after(1.0, shield=True):
+                    await self.engine.serial_stop()
+            events.close()
+
+
+def _stuck_event(timeout_s: float) -> Abandoned:
+    return Abandoned(f"an engine step took longer than the {timeout_s:g} s watchdog")
+
+
+async def _send_quietly(channel: trio.MemorySendChannel[LaneEvent], event: LaneEvent) -> None:
+    with trio.move_on_after(1.0, shield=True):
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await channel.send(event)

@@ -1,0 +1,226 @@
+"""One session per request: its cancel scope, its lifecycle, and what it publishes.
+
+created -> queued -> preparing -> running -> settling -> terminal. The session waits for its
+admission permit, gets its lane (the serial lease, or a row in the batch group), forwards the
+lane's events to its consumer as :class:`TextDelta` / :class:`Progress`, and publishes exactly
+one outcome. Every cancel records one reason: ``requested`` (``cancel()``), ``consumer_closed``
+(the consumer closed its end), ``consumer_idle`` (an event waited ``idle_timeout_s`` for the
+consumer), ``deadline`` (``timeout_s`` over queue, prefill and decode), ``shutdown`` and
+``engine_fault`` (its step hung). Leaving releases the permit and closes the lane channel, which
+takes the row out of the batch at the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from mlx_trio.actors import gate
+from mlx_trio.actors.arbiter import ArbiterMessage, acquire
+from mlx_trio.actors.batch_group import AddRow, BatchMessage
+from mlx_trio.actors.channels import take_buffered
+from mlx_trio.actors.lanes import Abandoned, LaneEvent
+from mlx_trio.actors.messages import (
+    Cancelled,
+    CancelReason,
+    Completed,
+    Event,
+    Failed,
+    Lane,
+    Outcome,
+    Progress,
+    SessionState,
+    TextDelta,
+    Timings,
+    Usage,
+)
+from mlx_trio.actors.serial import SerialJob
+from mlx_trio.engine.outputs import RowFailed, RowOutput, RowProgress
+from mlx_trio.engine.params import PreparedRequest
+
+logger = logging.getLogger(__name__)
+
+LANE_BUFFER = 16
+CLEANUP_GRACE_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLinks:
+    """The actors a session talks to."""
+
+    gate: trio.MemorySendChannel[gate.GateMessage]
+    arbiter: trio.MemorySendChannel[ArbiterMessage]
+    batch: trio.MemorySendChannel[BatchMessage]
+    serial: trio.MemorySendChannel[SerialJob]
+
+
+class Session:
+    def __init__(
+        self,
+        session_id: str,
+        request: PreparedRequest,
+        *,
+        lane: Lane,
+        links: SessionLinks,
+        consumer: trio.MemorySendChannel[Event],
+        idle_timeout_s: float,
+        deadline: float,
+    ) -> None:
+        self.id = session_id
+        self.request = request
+        self.lane = lane
+        self.state: SessionState = "created"
+        self.outcome: Outcome | None = None
+        self.cancel_reason: CancelReason | None = None
+        self.done = trio.Event()
+        self._links = links
+        self._consumer = consumer
+        self._idle_timeout_s = idle_timeout_s
+        self._scope = trio.CancelScope(deadline=deadline)
+        self._created_at = trio.current_time()
+        self._running_at: float | None = None
+        self._first_token_at: float | None = None
+        self._last_token_at: float | None = None
+        self._num_generated = 0
+
+    def cancel(self, reason: CancelReason = "requested") -> None:
+        """Cancel with ``reason``; the first reason given wins. No effect once terminal."""
+        if self.state == "terminal":
+            return
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+        self._scope.cancel()
+
+    async def run(self, admission: trio.MemoryReceiveChannel[gate.Reply]) -> None:
+        """Run the session to its outcome. Never raises for anything a request can cause."""
+        permit: gate.Permit | None = None
+        outcome: Outcome | None = None
+        try:
+            with self._scope:
+                self.state = "queued"
+                permit = await _wait_for_permit(admission)
+                if permit is None:  # the gate closed while we were queued
+                    self.cancel("shutdown")
+                    await trio.lowlevel.checkpoint()
+                self.state = "preparing"
+                outcome = await self._generate()
+        except Exception as exc:
+            logger.exception("session %s failed", self.id)
+            outcome = Failed("internal_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            self.state = "settling"
+            with trio.move_on_after(CLEANUP_GRACE_S, shield=True):
+                if permit is None:
+                    permit = take_buffered(admission, gate.Permit)
+                await admission.aclose()
+                if permit is not None:
+                    await self._links.gate.send(gate.Release(permit))
+            if outcome is None:
+                outcome = Cancelled(self._cancel_reason(), self._usage())
+            await self._publish_outcome(outcome)
+
+    def _cancel_reason(self) -> CancelReason:
+        if self.cancel_reason is not None:
+            return self.cancel_reason
+        if trio.current_time() >= self._scope.deadline:
+            return "deadline"
+        return "shutdown"
+
+    async def _generate(self) -> Outcome:
+        send, recv = trio.open_memory_channel[LaneEvent](LANE_BUFFER)
+        async with recv:
+            if self.lane == "serial":
+                lease = await acquire(self._links.arbiter, "serial")
+                self._links.serial.send_nowait(SerialJob(self.request, lease, send))
+            else:
+                await self._links.batch.send(AddRow(self.request, send))
+            self.state = "running"
+            self._running_at = trio.current_time()
+            return await self._forward(recv)
+
+    async def _forward(self, lane: trio.MemoryReceiveChannel[LaneEvent]) -> Outcome:
+        async for event in lane:
+            match event:
+                case RowProgress(done=done, total=total):
+                    await self._publish(Progress(done, total))
+                case RowOutput(delta=delta, stats=stats):
+                    now = trio.current_time()
+                    if self._first_token_at is None:
+                        self._first_token_at = now
+                    self._last_token_at = now
+                    self._num_generated = (
+                        stats.generated_tokens if stats else self._num_generated + 1
+                    )
+                    if delta.text or delta.token_ids:
+                        await self._publish(TextDelta(delta.text, delta.token_ids, delta.logprobs))
+                    if stats is not None:
+                        assert delta.finish_reason is not None
+                        return Completed(
+                            finish_reason=delta.finish_reason,
+                            usage=self._usage(cached=stats.cached_tokens),
+                            timings=self._timings(),
+                            lane=self.lane,
+                        )
+                case RowFailed(message=message):
+                    return Failed("engine_fault", message)
+                case Abandoned(message=message):
+                    logger.error("session %s abandoned: %s", self.id, message)
+                    self.cancel("engine_fault")
+                    await trio.lowlevel.checkpoint()
+        raise AssertionError("the lane closed without a final event")
+
+    async def _publish(self, event: Event) -> None:
+        """Hand ``event`` to the consumer, or cancel the session if it left or went idle."""
+        try:
+            with trio.move_on_after(self._idle_timeout_s) as idle:
+                await self._consumer.send(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.cancel("consumer_closed")
+        else:
+            if idle.cancelled_caught:
+                self.cancel("consumer_idle")
+        await trio.lowlevel.checkpoint()
+
+    async def _publish_outcome(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+        with trio.move_on_after(CLEANUP_GRACE_S, shield=True):
+            try:
+                if self.cancel_reason not in ("consumer_closed", "consumer_idle"):
+                    await self._consumer.send(outcome)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            await self._consumer.aclose()
+        self.state = "terminal"
+        self.done.set()
+
+    def _usage(self, cached: int = 0) -> Usage:
+        return Usage(
+            prompt_tokens=len(self.request.prompt_tokens),
+            completion_tokens=self._num_generated,
+            cached_tokens=cached,
+        )
+
+    def _timings(self) -> Timings:
+        first = self._first_token_at
+        last = self._last_token_at or first
+        started = self._running_at or self._created_at
+        return Timings(
+            queued_s=started - self._created_at,
+            ttft_s=None if first is None else first - self._created_at,
+            decode_s=0.0 if first is None or last is None else last - first,
+        )
+
+
+async def _wait_for_permit(admission: trio.MemoryReceiveChannel[gate.Reply]) -> gate.Permit | None:
+    """The permit, once the gate grants it; None if the gate refused (it closed)."""
+    async for reply in admission:
+        match reply:
+            case gate.Permit():
+                return reply
+            case gate.Queued():
+                continue
+            case gate.Refused():
+                return None
+    return None

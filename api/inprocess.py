@@ -1,0 +1,189 @@
+"""The in-process API: ``open_runtime`` and channel handles.
+
+    async with open_runtime(max_batch=8) as rt:                  # the embedded default model
+        handle = await rt.submit(GenerationRequest("Hello"))
+        async for event in handle:                               # TextDelta / Progress, then
+            ...                                                  # one outcome
+        outcome = await handle.result()
+
+``submit`` raises ``InvalidRequestError`` for a bad request and ``OverloadedError`` when
+admission is full, before anything is admitted. ``collect`` returns the whole text and the
+outcome; ``submit_with_callback`` calls a function for every event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import trio
+
+from mlx_trio.actors.messages import (
+    CancelReason,
+    Completed,
+    Event,
+    GenerationRequest,
+    Outcome,
+    TextDelta,
+)
+from mlx_trio.actors.port import EnginePort
+from mlx_trio.actors.runtime import Runtime, RuntimeConfig, RuntimeStatistics, open_runtime_actors
+from mlx_trio.actors.session import Session
+
+
+class SessionHandle:
+    """One request's events (``async for``), outcome and cancellation.
+
+    Iterating yields every event, ending with the outcome. Closing the handle (``aclose``, or
+    leaving ``async with``) before the outcome cancels the request ``consumer_closed``.
+    """
+
+    def __init__(self, session: Session, events: trio.MemoryReceiveChannel[Event]) -> None:
+        self._session = session
+        self._events = events
+
+    @property
+    def id(self) -> str:
+        return self._session.id
+
+    @property
+    def state(self) -> str:
+        return self._session.state
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events.__aiter__()
+
+    async def receive(self) -> Event:
+        return await self._events.receive()
+
+    async def result(self) -> Outcome:
+        """Wait for the outcome (reading no events: a slow reader may cause ``consumer_idle``)."""
+        await self._session.done.wait()
+        assert self._session.outcome is not None
+        return self._session.outcome
+
+    async def cancel(self, reason: CancelReason = "requested") -> Outcome:
+        """Cancel the request and wait for its outcome (already final: returned as is)."""
+        self._session.cancel(reason)
+        return await self.result()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+    async def __aenter__(self) -> SessionHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class Collected:
+    text: str
+    token_ids: tuple[int, ...]
+    outcome: Outcome
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outcome.finish_reason if isinstance(self.outcome, Completed) else None
+
+
+class RuntimeHandle:
+    """What ``open_runtime`` yields."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    @property
+    def model_id(self) -> str:
+        return self._runtime.engine.model_id
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
+
+    async def submit(self, request: GenerationRequest | str) -> SessionHandle:
+        """Admit a request and start it; see the module docstring for what it raises."""
+        if isinstance(request, str):
+            request = GenerationRequest(request)
+        session, events = await self._runtime.submit(request)
+        return SessionHandle(session, events)
+
+    async def collect(self, request: GenerationRequest | str) -> Collected:
+        """Run a request to its end; return its whole text, tokens and outcome."""
+        handle = await self.submit(request)
+        texts: list[str] = []
+        tokens: list[int] = []
+        async with handle:
+            async for event in handle:
+                if isinstance(event, TextDelta):
+                    texts.append(event.text)
+                    tokens.extend(event.token_ids)
+        return Collected("".join(texts), tuple(tokens), await handle.result())
+
+    async def submit_with_callback(
+        self,
+        request: GenerationRequest | str,
+        on_event: Callable[[Event], Awaitable[None] | None],
+        nursery: trio.Nursery,
+    ) -> SessionHandle:
+        """Admit a request and call ``on_event`` for each event from a task in ``nursery``."""
+        handle = await self.submit(request)
+
+        async def pump() -> None:
+            async with handle:
+                async for event in handle:
+                    maybe = on_event(event)
+                    if maybe is not None:
+                        await maybe
+
+        nursery.start_soon(pump)
+        return handle
+
+    def cancel(self, request_id: str, reason: CancelReason = "requested") -> bool:
+        """Cancel a live request by id; False if there is none."""
+        session = self._runtime.session(request_id)
+        if session is None:
+            return False
+        session.cancel(reason)
+        return True
+
+    def statistics(self) -> RuntimeStatistics:
+        return self._runtime.statistics()
+
+    async def run_exclusive(self, fn: Callable[[], Awaitable[object]]) -> object:
+        return await self._runtime.run_exclusive(fn)
+
+    async def run_when_idle(self, fn: Callable[[], Awaitable[object]]) -> object:
+        return await self._runtime.run_when_idle(fn)
+
+
+@asynccontextmanager
+async def open_runtime(
+    model: str | None = None,
+    *,
+    engine: EnginePort | None = None,
+    device: Literal["auto", "cpu", "gpu"] = "auto",
+    config: RuntimeConfig | None = None,
+    **config_fields: object,
+) -> AsyncIterator[RuntimeHandle]:
+    """Start a runtime on ``model`` (None: the embedded default) or on a given ``engine``.
+
+    Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...). On exit,
+    admission closes and in-flight requests get ``shutdown_grace_s`` to finish.
+    """
+    config = replace(config or RuntimeConfig(), **config_fields)  # type: ignore[arg-type]
+    if engine is not None:
+        async with open_runtime_actors(engine, config) as runtime:
+            yield RuntimeHandle(runtime)
+        return
+
+    from mlx_trio.engine.thread import EngineThread
+    from mlx_trio.engine.threaded import ThreadedEngine
+
+    with EngineThread() as thread:
+        port = await ThreadedEngine.load(thread, model, device=device, max_batch=config.max_batch)
+        async with open_runtime_actors(port, config) as runtime:
+            yield RuntimeHandle(runtime)

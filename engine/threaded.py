@@ -1,0 +1,151 @@
+"""The real engine behind the runtime's ``EnginePort``: every MLX call on the engine thread.
+
+Tokenization (``prepare``) runs in a Trio worker thread instead, so it never waits behind a
+batch step; it touches only the tokenizer, not MLX.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import trio
+
+from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK, BatchEngine
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.outputs import Delta, RowEvent, RowOutput, RowProgress
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from mlx_trio.engine.prompt import Prompt
+from mlx_trio.engine.thread import EngineThread
+
+logger = logging.getLogger(__name__)
+
+SERIAL_ROW = 0
+
+T = TypeVar("T")
+
+
+class ThreadedEngine:
+    """An ``EnginePort`` over an :class:`Engine` owned by an :class:`EngineThread`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        thread: EngineThread,
+        *,
+        max_batch: int,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
+        self.engine = engine
+        self.thread = thread
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self._batch: BatchEngine | None = None
+        self._serial: Iterator[Delta] | None = None
+        self._serial_generation = None
+        self._serial_progress: list[RowProgress] = []
+        self._kv_bytes = 0
+
+    @classmethod
+    async def load(
+        cls, thread: EngineThread, spec: str | None, *, device: str, max_batch: int
+    ) -> ThreadedEngine:
+        engine = await thread.run(lambda: Engine.load(spec, device=device))
+        port = cls(engine, thread, max_batch=max_batch)
+        await thread.run(port._new_batch)
+        return port
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    @property
+    def kv_bytes(self) -> int:
+        return self._kv_bytes
+
+    async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        return await trio.to_thread.run_sync(self.engine.prepare, prompt, params)
+
+    def unbatchable_reason(self, request: PreparedRequest) -> str | None:
+        return None
+
+    # -- serial -----------------------------------------------------------------------------
+
+    async def serial_start(self, request: PreparedRequest) -> None:
+        await self.thread.run(self._serial_start, request)
+
+    def _serial_start(self, request: PreparedRequest) -> None:
+        def progress(done: int, total: int) -> None:
+            self._serial_progress.append(RowProgress(SERIAL_ROW, done, total))
+
+        generation = self.engine.generate(request, on_progress=progress)
+        self._serial_generation = generation
+        self._serial = iter(generation)
+
+    async def serial_step(self) -> list[RowEvent]:
+        return await self.thread.run(self._serial_step)
+
+    def _serial_step(self) -> list[RowEvent]:
+        assert self._serial is not None and self._serial_generation is not None
+        delta = next(self._serial)
+        events: list[RowEvent] = list(self._serial_progress)
+        self._serial_progress.clear()
+        stats = self._serial_generation.stats() if delta.finish_reason else None
+        events.append(RowOutput(SERIAL_ROW, delta, stats))
+        if stats is not None:
+            self._serial_end()
+        return events
+
+    async def serial_stop(self) -> None:
+        await self.thread.run(self._serial_end)
+
+    def _serial_end(self) -> None:
+        if self._serial is not None:
+            self._serial.close()  # type: ignore[attr-defined]
+        self._serial = None
+        self._serial_generation = None
+        self._serial_progress.clear()
+
+    # -- batch ------------------------------------------------------------------------------
+
+    def _new_batch(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+        self._batch = BatchEngine(
+            self.engine, max_batch=self.max_batch, prefill_chunk=self.prefill_chunk
+        )
+        self._kv_bytes = 0
+
+    async def _batch_call(self, fn: Callable[[BatchEngine], T]) -> T:
+        def call() -> T:
+            assert self._batch is not None
+            result = fn(self._batch)
+            self._kv_bytes = self._batch.kv_bytes
+            return result
+
+        return await self.thread.run(call)
+
+    async def batch_add(self, request: PreparedRequest) -> int:
+        return await self._batch_call(lambda batch: batch.add(request))
+
+    async def batch_step(self) -> list[RowEvent]:
+        return await self._batch_call(lambda batch: batch.step())
+
+    async def batch_remove(self, rows: list[int]) -> None:
+        await self._batch_call(lambda batch: batch.remove(rows))
+
+    async def batch_park(self, row: int) -> bool:
+        def park(batch: BatchEngine) -> bool:
+            if not batch.can_park(row):
+                return False
+            batch.park(row)
+            return True
+
+        return await self._batch_call(park)
+
+    async def batch_resume(self, row: int) -> None:
+        await self._batch_call(lambda batch: batch.resume(row))
+
+    async def batch_reset(self) -> None:
+        await self.thread.run(self._new_batch)
