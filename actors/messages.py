@@ -102,3 +102,14 @@ class Failed:
 
 Outcome = Completed | Cancelled | Failed
 Event = TextDelta | Progress | Completed | Cancelled | Failed
+
+
+def describe(outcome: Outcome) -> str:
+    """A compact one-word-ish summary for log lines: ``completed:stop``, ``cancelled:deadline``."""
+    match outcome:
+        case Completed(finish_reason=reason):
+            return f"completed:{reason}"
+        case Cancelled(reason=reason):
+            return f"cancelled:{reason}"
+        case Failed(code=code):
+            return f"failed:{code}"

@@ -30,6 +30,10 @@ class EnginePort(Protocol):
         """Tokenize and check; raises ``InvalidRequestError``. Holds no engine resources."""
         ...
 
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, for logprobs."""
+        ...
+
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         """Why this request must take the serial lane, or None if it can batch."""
         ...

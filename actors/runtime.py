@@ -32,6 +32,7 @@ from mlx_trio.actors.messages import (
     Failed,
     GenerationRequest,
     Lane,
+    describe,
 )
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.actors.serial import SerialExecutor
@@ -206,7 +207,16 @@ class Runtime:
                 self._outcomes[f"cancelled:{reason}"] += 1
             case Failed(code=code):
                 self._outcomes[f"failed:{code}"] += 1
-        logger.info("session %s lane=%s outcome=%s", session.id, session.lane, session.outcome)
+        outcome = session.outcome
+        assert outcome is not None
+        usage = outcome.usage if isinstance(outcome, Completed | Cancelled) else None
+        logger.info(
+            "session %s lane=%s %s completion_tokens=%s",
+            session.id,
+            session.lane,
+            describe(outcome),
+            usage.completion_tokens if usage else "-",
+        )
 
     def session(self, session_id: str) -> Session | None:
         """A live session by id (for cancellation by id)."""

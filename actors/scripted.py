@@ -26,6 +26,7 @@ from mlx_trio.engine.outputs import (
     RowFailed,
     RowOutput,
     RowProgress,
+    TokenLogprob,
 )
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt, check_fits, check_messages
@@ -133,6 +134,9 @@ class ScriptedEngine:
         tokens = tuple(ord(c) for c in text) or (1,)
         check_fits(len(tokens), params.max_tokens, self.script.context_length)
         return PreparedRequest(prompt_tokens=tokens, params=params)
+
+    def token_text(self, token_id: int) -> str:
+        return token_text(token_id)
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return None if self.script.batchable else "the scripted model cannot batch"
@@ -277,7 +281,11 @@ class ScriptedEngine:
             elif row.generated >= params.max_tokens:
                 text += row.matcher.flush()
                 finish = "length"
-        delta = Delta(text=text, token_ids=token_ids, finish_reason=finish)
+        records = None
+        if params.logprobs and token_ids:
+            top = tuple(((token + k) % VOCAB_SIZE, -1.0 - k) for k in range(params.top_logprobs))
+            records = (TokenLogprob(token, -1.0, top),)
+        delta = Delta(text=text, token_ids=token_ids, logprobs=records, finish_reason=finish)
         stats = None
         if finish is not None:
             stats = GenerationStats(

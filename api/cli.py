@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -84,6 +85,35 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     _add_sampling_flags(generate)
 
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="model directory or GGUF file (default: SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    serve.add_argument("--max-batch", type=int, default=32, help="rows per batch (1: no batching)")
+    serve.add_argument(
+        "--max-live", type=int, default=None, help="admitted sessions (default 2x batch)"
+    )
+    serve.add_argument("--max-queued", type=int, default=256, help="sessions waiting for admission")
+    serve.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("MLX_TRIO_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $MLX_TRIO_API_KEY)",
+    )
+    serve.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024)
+    serve.add_argument("--default-max-tokens", type=int, default=512)
+    serve.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    serve.add_argument(
+        "--idle-timeout", type=float, default=30.0, help="seconds a reader may stall"
+    )
+    serve.add_argument("--step-timeout", type=float, default=60.0, help="engine step watchdog")
+    serve.add_argument("--shutdown-grace", type=float, default=10.0)
+
     pull = commands.add_parser("pull", help="fetch and import the embedded default model")
     pull.add_argument("--force", action="store_true", help="re-download and re-import")
     return parser
@@ -121,6 +151,40 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from mlx_trio.actors.runtime import RuntimeConfig
+    from mlx_trio.api.http import HttpSettings
+    from mlx_trio.api.server import ServeOptions, serve
+
+    if args.max_batch < 1:
+        raise MlxTrioError("--max-batch must be >= 1")
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        device=args.device,
+        runtime=RuntimeConfig(
+            max_batch=args.max_batch,
+            max_live=args.max_live,
+            max_queued=args.max_queued,
+            idle_timeout_s=args.idle_timeout,
+            step_timeout_s=args.step_timeout,
+            shutdown_grace_s=args.shutdown_grace,
+        ),
+        http=HttpSettings(
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            max_n=args.max_n,
+            default_max_tokens=args.default_max_tokens,
+            request_timeout_s=args.request_timeout,
+        ),
+    )
+    trio.run(serve, options)
+    return 0
+
+
 def _pull(args: argparse.Namespace) -> int:
     from mlx_trio.engine.model_store import pull_default_model
 
@@ -132,12 +196,16 @@ def _pull(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, args.log_level), format="%(message)s", stream=sys.stderr
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(message)s" if args.command == "serve" else "%(message)s",
+        stream=sys.stderr,
     )
     try:
         match args.command:
             case "generate":
                 return _generate(args)
+            case "serve":
+                return _serve(args)
             case "pull":
                 return _pull(args)
     except MlxTrioError as exc:

@@ -64,6 +64,10 @@ class SessionHandle:
         assert self._session.outcome is not None
         return self._session.outcome
 
+    def cancel_nowait(self, reason: CancelReason = "requested") -> None:
+        """Cancel the request without waiting for its outcome."""
+        self._session.cancel(reason)
+
     async def cancel(self, reason: CancelReason = "requested") -> Outcome:
         """Cancel the request and wait for its outcome (already final: returned as is)."""
         self._session.cancel(reason)

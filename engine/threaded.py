@@ -67,6 +67,9 @@ class ThreadedEngine:
     async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         return await trio.to_thread.run_sync(self.engine.prepare, prompt, params)
 
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return None
 

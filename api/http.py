@@ -1,0 +1,611 @@
+"""The OpenAI-compatible HTTP app (Starlette on Hypercorn's Trio worker).
+
+Every request is checked before any engine work and without an admission permit: body size
+(413 before reading), UTF-8 and JSON (400), schema and ranges (400 with ``param``), model id
+(404, configured ids only), context length (400, before any SSE byte). Overload answers 503 with
+``Retry-After``. A client that disconnects, streaming or not, cancels its sessions
+``consumer_closed``. Errors use OpenAI's shape; a stream that fails part-way sends an error event
+and then ``[DONE]``. Why Starlette: design/005-http.md.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import trio
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mlx_trio.actors.messages import (
+    Cancelled,
+    Completed,
+    Event,
+    Failed,
+    GenerationRequest,
+    Outcome,
+    Progress,
+    TextDelta,
+    describe,
+)
+from mlx_trio.actors.runtime import RuntimeStatistics
+from mlx_trio.api import openai_format as fmt
+from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle
+from mlx_trio.api.metrics import Metrics
+from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
+from mlx_trio.engine.errors import InvalidRequestError, OverloadedError, RuntimeClosedError
+from mlx_trio.engine.outputs import TokenLogprob
+
+logger = logging.getLogger("mlx_trio.http")
+
+OUTCOME_STATUS = {
+    "deadline": (408, "timeout_error", "request_timeout"),
+    "shutdown": (503, "server_error", "shutting_down"),
+    "engine_fault": (503, "server_error", "engine_fault"),
+    "requested": (499, "invalid_request_error", "request_cancelled"),
+    "consumer_closed": (499, "invalid_request_error", "client_closed"),
+    "consumer_idle": (499, "invalid_request_error", "client_idle"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    api_key: str | None = None
+    max_body_bytes: int = 2 * 1024 * 1024
+    max_n: int = 8
+    default_max_tokens: int = 512
+    request_timeout_s: float | None = None
+
+
+class HttpError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = fmt.error_body(message, type=type, param=param, code=code)
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+@dataclass
+class AppState:
+    """What the app serves from; ``runtime`` is None while the model loads."""
+
+    settings: HttpSettings
+    runtime: RuntimeHandle | None = None
+    model_id: str | None = None
+    live: dict[str, list[SessionHandle]] = field(default_factory=dict)
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.statistics)
+
+    def statistics(self) -> RuntimeStatistics | None:
+        return self.runtime.statistics() if self.runtime else None
+
+
+# -- request parsing ---------------------------------------------------------------------
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise HttpError(413, f"request body is over the {limit} byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HttpError(413, f"request body is over the {limit} byte limit")
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise HttpError(400, "request body is not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise HttpError(400, f"request body is not valid JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise HttpError(400, "request body must be a JSON object")
+    return data
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise HttpError(400, f"{param}: {first['msg']}", param=param) from None
+
+
+# -- generation --------------------------------------------------------------------------
+
+
+@dataclass
+class Exchange:
+    """One HTTP generation request: its sessions and what its log line reports."""
+
+    request_id: str
+    kind: fmt.Kind
+    model: str
+    handles: list[SessionHandle]
+    token_text: Callable[[int], str]
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.perf_counter)
+    outcomes: list[Outcome | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.outcomes = [None] * len(self.handles)
+
+
+async def submit_all(rt: RuntimeHandle, requests: list[GenerationRequest]) -> list[SessionHandle]:
+    handles: list[SessionHandle] = []
+    try:
+        for generation in requests:
+            handles.append(await rt.submit(generation))
+    except BaseException:
+        for handle in handles:
+            handle.cancel_nowait("requested")
+        raise
+    return handles
+
+
+def _refusal(exc: Exception) -> HttpError:
+    match exc:
+        case InvalidRequestError():
+            return HttpError(400, exc.message, param=exc.param, code=exc.code)
+        case OverloadedError():
+            retry = max(1, round(exc.retry_after_s))
+            return HttpError(
+                503,
+                exc.message,
+                type="server_error",
+                code="overloaded",
+                headers={"Retry-After": str(retry)},
+            )
+        case RuntimeClosedError():
+            return HttpError(503, exc.message, type="server_error", code="shutting_down")
+    raise exc
+
+
+class Api:
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    @property
+    def settings(self) -> HttpSettings:
+        return self.state.settings
+
+    def _runtime(self) -> RuntimeHandle:
+        if self.state.runtime is None:
+            raise HttpError(503, "the model is loading", type="server_error", code="loading")
+        return self.state.runtime
+
+    async def chat(self, request: Request) -> Response:
+        body = parse(ChatCompletionRequest, await read_json(request, self.settings.max_body_bytes))
+        return await self._generate(request, "chat", body, [body.chat])
+
+    async def completions(self, request: Request) -> Response:
+        body = parse(CompletionRequest, await read_json(request, self.settings.max_body_bytes))
+        try:
+            prompts = body.prompts()
+        except InvalidRequestError as exc:
+            raise _refusal(exc) from None
+        return await self._generate(request, "text", body, [lambda p=p: p for p in prompts])
+
+    async def _generate(
+        self,
+        request: Request,
+        kind: fmt.Kind,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompts: list[Callable[[], Any]],
+    ) -> Response:
+        rt = self._runtime()
+        if body.model not in (self.state.model_id, rt.model_id):
+            raise HttpError(
+                404,
+                f"The model '{body.model}' does not exist; this server serves '{rt.model_id}'",
+                param="model",
+                code="model_not_found",
+            )
+        if not 1 <= body.n <= self.settings.max_n:
+            raise HttpError(400, f"n must be between 1 and {self.settings.max_n}", param="n")
+        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        timeout = body.timeout if body.timeout is not None else self.settings.request_timeout_s
+        try:
+            generations = [
+                GenerationRequest(
+                    prompt(),
+                    body.params(default_max_tokens=self.settings.default_max_tokens, seed_offset=i),
+                    timeout_s=timeout,
+                    request_id=f"{request_id}/{p * body.n + i}",
+                )
+                for p, prompt in enumerate(prompts)
+                for i in range(body.n)
+            ]
+            handles = await submit_all(rt, generations)
+        except (InvalidRequestError, OverloadedError, RuntimeClosedError) as exc:
+            reason = "overloaded" if isinstance(exc, OverloadedError) else None
+            if reason or isinstance(exc, RuntimeClosedError):
+                self.state.metrics.refusals.labels(reason or "shutting_down").inc()
+            raise _refusal(exc) from None
+        exchange = Exchange(request_id, kind, body.model, handles, rt.runtime.engine.token_text)
+        headers = {"X-Request-Id": request_id}
+        if body.stream:
+            return EventStream(self, exchange, body.include_usage, headers)
+        self.state.live[request_id] = handles
+        try:
+            return await self._complete(request, exchange, headers)
+        finally:
+            del self.state.live[request_id]
+
+    async def _complete(self, request: Request, ex: Exchange, headers: dict[str, str]) -> Response:
+        texts = [""] * len(ex.handles)
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(ex.handles)
+
+        async def collect(index: int, handle: SessionHandle) -> None:
+            async for event in self._events(ex, index, handle):
+                if isinstance(event, TextDelta):
+                    texts[index] += event.text
+                    if event.logprobs is not None:
+                        logprobs[index] = (logprobs[index] or []) + list(event.logprobs)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, request.receive, ex.handles)
+            async with trio.open_nursery() as sessions:
+                for index, handle in enumerate(ex.handles):
+                    sessions.start_soon(collect, index, handle)
+            nursery.cancel_scope.cancel()
+
+        failure = _first_failure(ex.outcomes)
+        if failure is not None:
+            error = _outcome_error(failure)
+            self._log(ex, error.status)
+            return JSONResponse(error.body, status_code=error.status, headers=headers)
+        choices = [
+            fmt.choice_body(
+                ex.kind,
+                i,
+                texts[i],
+                outcome.finish_reason if isinstance(outcome, Completed) else None,
+                fmt.logprobs_body(ex.kind, logprobs[i], ex.token_text),
+            )
+            for i, outcome in enumerate(ex.outcomes)
+        ]
+        usage = fmt.sum_usage([o.usage for o in ex.outcomes if isinstance(o, Completed)])
+        self._log(ex, 200)
+        return JSONResponse(
+            fmt.completion_body(
+                ex.kind,
+                request_id=ex.request_id,
+                created=ex.created,
+                model=ex.model,
+                choices=choices,
+                usage=usage,
+            ),
+            headers=headers,
+        )
+
+    async def _events(
+        self, ex: Exchange, index: int, handle: SessionHandle
+    ) -> AsyncIterator[Event]:
+        """A session's events, recording its outcome and metrics on the way."""
+        metrics = self.state.metrics
+        last_text_at: float | None = None
+        async with handle:
+            async for event in handle:
+                if isinstance(event, TextDelta):
+                    now = time.perf_counter()
+                    if last_text_at is not None:
+                        metrics.inter_token.observe(now - last_text_at)
+                    last_text_at = now
+                elif isinstance(event, Completed | Cancelled | Failed):
+                    ex.outcomes[index] = event
+                    self._count(ex.kind, event)
+                yield event
+        if ex.outcomes[index] is None:  # the handle was closed before its outcome arrived
+            ex.outcomes[index] = outcome = await handle.result()
+            self._count(ex.kind, outcome)
+
+    def _count(self, kind: fmt.Kind, outcome: Outcome) -> None:
+        metrics = self.state.metrics
+        endpoint = "chat" if kind == "chat" else "completions"
+        match outcome:
+            case Completed(usage=usage, timings=timings):
+                metrics.requests.labels(endpoint, "completed").inc()
+                metrics.prompt_tokens.inc(usage.prompt_tokens)
+                metrics.generated_tokens.inc(usage.completion_tokens)
+                if timings.ttft_s is not None:
+                    metrics.ttft.observe(timings.ttft_s)
+            case Cancelled(reason=reason, usage=usage):
+                metrics.requests.labels(endpoint, "cancelled").inc()
+                metrics.cancellations.labels(reason).inc()
+                metrics.generated_tokens.inc(usage.completion_tokens)
+            case Failed():
+                metrics.requests.labels(endpoint, "failed").inc()
+
+    def _log(self, ex: Exchange, status: int) -> None:
+        done = [o for o in ex.outcomes if o is not None]
+        completion = sum(
+            o.usage.completion_tokens for o in done if isinstance(o, Completed | Cancelled)
+        )
+        prompt = next((o.usage.prompt_tokens for o in done if not isinstance(o, Failed)), 0)
+        ttfts = [o.timings.ttft_s for o in done if isinstance(o, Completed) and o.timings.ttft_s]
+        summary = ",".join(describe(o) for o in done)
+        logger.info(
+            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.3fs",
+            ex.request_id,
+            status,
+            summary,
+            prompt,
+            completion,
+            f"{min(ttfts):.3f}s" if ttfts else "-",
+            time.perf_counter() - ex.started,
+        )
+
+    # -- the other endpoints ----------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        ids = [self.state.model_id] if self.state.model_id else []
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": i, "object": "model", "created": 0, "owned_by": "mlx-trio"} for i in ids
+                ],
+            }
+        )
+
+    async def health(self, request: Request) -> Response:
+        stats = self.state.statistics()
+        if stats is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if not stats.is_healthy:
+            return JSONResponse(
+                {
+                    "status": "unhealthy",
+                    "engine_faults": stats.engine_faults,
+                    "stuck_steps": stats.stuck_steps,
+                },
+                status_code=503,
+            )
+        if stats.is_closed:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(
+            self.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    async def stats(self, request: Request) -> Response:
+        stats = self.state.statistics()
+        if stats is None:
+            raise HttpError(503, "the model is loading", type="server_error", code="loading")
+        from dataclasses import asdict
+
+        return JSONResponse(asdict(stats))
+
+    async def cancel(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        handles = self.state.live.get(request_id)
+        if not handles:
+            raise HttpError(404, f"no running or queued request '{request_id}'", param="request_id")
+        for handle in handles:
+            handle.cancel_nowait("requested")
+        return JSONResponse({"id": request_id, "object": "request.cancelled"})
+
+
+async def _cancel_on_disconnect(receive: Receive, handles: list[SessionHandle]) -> None:
+    """Wait for the client to go away; then cancel its sessions ``consumer_closed``."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    for handle in handles:
+        handle.cancel_nowait("consumer_closed")
+
+
+def _first_failure(outcomes: list[Outcome | None]) -> Outcome | None:
+    return next((o for o in outcomes if not isinstance(o, Completed)), None)
+
+
+def _outcome_error(outcome: Outcome | None) -> HttpError:
+    match outcome:
+        case Cancelled(reason=reason):
+            status, kind, code = OUTCOME_STATUS[reason]
+            return HttpError(status, f"the request was cancelled: {reason}", type=kind, code=code)
+        case Failed(code=code, message=message):
+            return HttpError(500, message, type="server_error", code=code)
+    return HttpError(500, "the request ended without an outcome", type="server_error")
+
+
+class EventStream:
+    """An SSE response: chunks as the sessions produce them, then ``[DONE]``."""
+
+    def __init__(
+        self, api: Api, exchange: Exchange, include_usage: bool, headers: dict[str, str]
+    ) -> None:
+        self.api = api
+        self.ex = exchange
+        self.include_usage = include_usage
+        self.headers = headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex = self.ex
+        self.api.state.live[ex.request_id] = ex.handles
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            *[(k.lower().encode(), v.encode()) for k, v in self.headers.items()],
+        ]
+        status = 200
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, ex.handles)
+                await self._stream(send)
+                nursery.cancel_scope.cancel()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            status = 499
+            for handle in ex.handles:
+                handle.cancel_nowait("consumer_closed")
+        finally:
+            del self.api.state.live[ex.request_id]
+            self.api._log(ex, status)
+
+    async def _stream(self, send: Send) -> None:
+        ex = self.ex
+
+        async def write(data: dict[str, Any] | bytes) -> None:
+            body = data if isinstance(data, bytes) else fmt.sse(data)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+
+        def chunk(index: int, **kwargs: Any) -> dict[str, Any]:
+            return fmt.chunk_body(
+                ex.kind,
+                request_id=ex.request_id,
+                created=ex.created,
+                model=ex.model,
+                index=index,
+                **kwargs,
+            )
+
+        if ex.kind == "chat":
+            for index in range(len(ex.handles)):
+                await write(chunk(index, role=True, text=""))
+        merged_send, merged = trio.open_memory_channel[tuple[int, Event]](0)
+
+        async def pump(index: int, handle: SessionHandle, out: trio.MemorySendChannel) -> None:
+            async with out:
+                async for event in self.api._events(ex, index, handle):
+                    await out.send((index, event))
+
+        async with trio.open_nursery() as nursery, merged:
+            async with merged_send:
+                for index, handle in enumerate(ex.handles):
+                    nursery.start_soon(pump, index, handle, merged_send.clone())
+            async for index, event in merged:
+                await self._write_event(write, chunk, index, event)
+        failure = _first_failure(ex.outcomes)
+        if failure is not None:
+            await write(_outcome_error(failure).body)
+        elif self.include_usage:
+            usage = fmt.sum_usage([o.usage for o in ex.outcomes if isinstance(o, Completed)])
+            await write(
+                fmt.usage_chunk(
+                    ex.kind,
+                    request_id=ex.request_id,
+                    created=ex.created,
+                    model=ex.model,
+                    usage=usage,
+                )
+            )
+        await write(fmt.SSE_DONE)
+
+    async def _write_event(
+        self,
+        write: Callable[[dict[str, Any] | bytes], Any],
+        chunk: Callable[..., dict[str, Any]],
+        index: int,
+        event: Event,
+    ) -> None:
+        ex = self.ex
+        match event:
+            case TextDelta(text=text, logprobs=records):
+                logprobs = fmt.logprobs_body(
+                    ex.kind, list(records) if records is not None else None, ex.token_text
+                )
+                await write(chunk(index, text=text, logprobs=logprobs))
+            case Progress(done=done, total=total):
+                await write(f": prefill {done}/{total}\n\n".encode())
+            case Completed(finish_reason=reason):
+                await write(
+                    chunk(index, text=None if ex.kind == "chat" else "", finish_reason=reason)
+                )
+
+
+# -- the app -----------------------------------------------------------------------------
+
+
+MAX_HEADER_BYTES = 16 * 1024
+
+
+class EdgeMiddleware:
+    """Checks made before routing: 431 for request heads over 16 KiB (h11 only catches heads
+    that arrive in pieces), and, with an API key, 401 ``invalid_api_key`` unless the bearer
+    token matches (compared in constant time). /health stays open."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            error = self._check(scope)
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> HttpError | None:
+        headers = scope["headers"]
+        if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:
+            return HttpError(431, f"request headers are over {MAX_HEADER_BYTES} bytes")
+        if self.expected is None or scope["path"] == "/health":
+            return None
+        given = dict(headers).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return None
+        return HttpError(
+            401,
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+
+
+def build_app(state: AppState) -> ASGIApp:
+    api = Api(state)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HttpError)
+        return exc.response()
+
+    async def starlette_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return HttpError(exc.status_code, str(exc.detail)).response()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", api.chat, methods=["POST"]),
+            Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/stats", api.stats, methods=["GET"]),
+            Route("/v1/requests/{request_id}/cancel", api.cancel, methods=["POST"]),
+            Route("/health", api.health, methods=["GET"]),
+            Route("/metrics", api.metrics, methods=["GET"]),
+        ],
+        exception_handlers={HttpError: http_error, HTTPException: starlette_error},
+    )
+    return EdgeMiddleware(app, state.settings.api_key)

@@ -1,0 +1,159 @@
+"""Response bodies and stream chunks in OpenAI's shapes, and its error shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+from mlx_trio.actors.messages import Usage
+from mlx_trio.engine.outputs import TokenLogprob
+
+Kind = Literal["chat", "text"]
+TokenText = Callable[[int], str]
+
+
+def error_body(
+    message: str, *, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def sum_usage(usages: list[Usage]) -> Usage:
+    """n choices share one prompt: count it once, add the completions."""
+    return Usage(
+        prompt_tokens=usages[0].prompt_tokens if usages else 0,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=usages[0].cached_tokens if usages else 0,
+    )
+
+
+def chat_logprobs(records: list[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            entry(r.token, r.logprob) | {"top_logprobs": [entry(token, lp) for token, lp in r.top]}
+            for r in records
+        ]
+    }
+
+
+def text_logprobs(
+    records: list[TokenLogprob], token_text: TokenText, offset: int = 0
+) -> dict[str, Any]:
+    tokens = [token_text(r.token) for r in records]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [r.logprob for r in records],
+        "top_logprobs": [{token_text(t): lp for t, lp in r.top} for r in records],
+        "text_offset": offsets,
+    }
+
+
+def logprobs_body(
+    kind: Kind, records: list[TokenLogprob] | None, token_text: TokenText
+) -> dict[str, Any] | None:
+    if records is None:
+        return None
+    return (
+        chat_logprobs(records, token_text) if kind == "chat" else text_logprobs(records, token_text)
+    )
+
+
+def completion_body(
+    kind: Kind,
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: Usage,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body(usage),
+    }
+
+
+def choice_body(
+    kind: Kind, index: int, text: str, finish_reason: str | None, logprobs: Any
+) -> dict[str, Any]:
+    if kind == "chat":
+        message = {"role": "assistant", "content": text}
+        return {
+            "index": index,
+            "message": message,
+            "finish_reason": finish_reason,
+            "logprobs": logprobs,
+        }
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def chunk_body(
+    kind: Kind,
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    logprobs: Any = None,
+) -> dict[str, Any]:
+    if kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text or "", "finish_reason": finish_reason}
+    choice["logprobs"] = logprobs
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(kind: Kind, *, request_id: str, created: int, model: str, usage: Usage) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_body(usage),
+    }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")

@@ -1,0 +1,109 @@
+"""``mlx-trio serve``: Hypercorn's Trio worker serving the HTTP app over the runtime.
+
+The server listens first and loads the model second, so ``/health`` answers 503 ("loading")
+instead of refusing connections. SIGINT or SIGTERM (or ``shutdown``) closes admission, gives
+in-flight requests the runtime's grace period, then stops the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass, field
+from functools import partial
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from mlx_trio.actors.port import EnginePort
+from mlx_trio.actors.runtime import RuntimeConfig
+from mlx_trio.api.http import AppState, HttpSettings, build_app
+from mlx_trio.api.inprocess import open_runtime
+
+logger = logging.getLogger("mlx_trio.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    device: str = "auto"
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    http: HttpSettings = field(default_factory=HttpSettings)
+    keep_alive_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    handle_signals: bool = True
+
+
+def _hypercorn_config(options: ServeOptions) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [f"{options.host}:{options.port}"]
+    config.keep_alive_timeout = options.keep_alive_timeout_s
+    config.read_timeout = options.read_timeout_s
+    config.h11_max_incomplete_size = 16 * 1024  # larger request heads get 431
+    config.backlog = 1024
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    return config
+
+
+async def serve(
+    options: ServeOptions,
+    *,
+    engine: EnginePort | None = None,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until ``shutdown`` is set (or a signal); ``task_status`` gets the base URL."""
+    shutdown = trio.Event() if shutdown is None else shutdown
+    state = AppState(options.http)
+    stopped = trio.Event()
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(
+            partial(
+                hypercorn_serve,
+                build_app(state),
+                _hypercorn_config(options),
+                shutdown_trigger=stopped.wait,
+            )
+        )
+        url = bound[0].replace("0.0.0.0", "127.0.0.1")
+        logger.info("listening on %s (loading the model)", url)
+        if options.handle_signals:
+            nursery.start_soon(_stop_on_signal, shutdown)
+        task_status.started(url)
+        try:
+            async with open_runtime(
+                options.model,
+                engine=engine,
+                device=options.device,
+                config=options.runtime,  # type: ignore[arg-type]
+            ) as rt:
+                state.runtime = rt
+                state.model_id = rt.model_id
+                logger.info("serving model '%s' at %s", rt.model_id, url)
+                logger.info("try: %s", curl_example(url, rt.model_id, options.http.api_key))
+                await shutdown.wait()
+                logger.info("shutting down: admission closed, finishing in-flight requests")
+        finally:
+            stopped.set()
+
+
+async def _stop_on_signal(shutdown: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            shutdown.set()
+            return
+
+
+def curl_example(url: str, model_id: str, api_key: str | None) -> str:
+    auth = " -H 'Authorization: Bearer $MLX_TRIO_API_KEY'" if api_key else ""
+    body = (
+        f'{{"model": "{model_id}", "messages": [{{"role": "user", '
+        f'"content": "What is the capital of France?"}}], "max_tokens": 32}}'
+    )
+    return (
+        f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+    )

@@ -1,0 +1,64 @@
+"""Run ``mlx-trio serve`` (the real Hypercorn server) on an ephemeral loopback port in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import replace
+
+import trio
+
+from mlx_trio.actors.port import EnginePort
+from mlx_trio.api.server import ServeOptions, serve
+
+
+class ServerThread:
+    """``with ServerThread(options, engine=...) as server:`` then use ``server.url``."""
+
+    def __init__(self, options: ServeOptions | None = None, *, engine: EnginePort | None = None):
+        base = options or ServeOptions()
+        self.options = replace(base, host="127.0.0.1", port=0, handle_signals=False)
+        self.engine = engine
+        self.url = ""
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._shutdown: trio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="mlx-trio-test-server", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:  # surfaced in __enter__ / __exit__
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._shutdown = trio.Event()
+        async with trio.open_nursery() as nursery:
+            self.url = await nursery.start(
+                lambda task_status: serve(
+                    self.options,
+                    engine=self.engine,
+                    shutdown=self._shutdown,
+                    task_status=task_status,
+                )
+            )
+            self._ready.set()
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self._ready.wait(timeout=120)
+        if self._error is not None:
+            raise RuntimeError("the test server failed to start") from self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None and self._shutdown is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._shutdown.set, trio_token=self._token)
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "the test server did not stop"
+        if self._error is not None:
+            raise RuntimeError("the test server failed") from self._error

@@ -1,0 +1,56 @@
+"""The HTTP server on the real default model, with the official openai SDK."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from mlx_trio.actors.runtime import RuntimeConfig
+from mlx_trio.api.server import ServeOptions
+from tests.server_thread import ServerThread
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    with ServerThread(ServeOptions(runtime=RuntimeConfig(max_batch=8))) as running:
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{running.url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.1)
+        yield running
+
+
+def model_id(server: ServerThread) -> str:
+    return httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+
+
+def test_sync_sdk_greedy_chat_answers_paris(server):
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    reply = sdk.chat.completions.create(
+        model=model_id(server), messages=QUESTION, temperature=0, max_tokens=32
+    )
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 10
+
+
+async def test_async_sdk_streaming_matches_non_streaming(server):
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused") as sdk:
+        model = model_id(server)
+        whole = await sdk.chat.completions.create(
+            model=model, messages=QUESTION, temperature=0, max_tokens=32
+        )
+        stream = await sdk.chat.completions.create(
+            model=model, messages=QUESTION, temperature=0, max_tokens=32, stream=True
+        )
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert "".join(pieces) == whole.choices[0].message.content
+        assert "Paris" in "".join(pieces)
