@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import assert_never
 
@@ -29,8 +29,8 @@ from mlx_trio.actors.arbiter import (
     Lease,
     Release,
 )
-from mlx_trio.actors.channels import receiver_left
-from mlx_trio.actors.lanes import Abandoned, LaneEvent, is_final
+from mlx_trio.actors.channels import offer, receiver_left
+from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed, is_final
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.engine.outputs import RowFailed, RowProgress
 from mlx_trio.engine.params import PreparedRequest
@@ -136,15 +136,26 @@ class BatchGroup:
             self._nursery = nursery
             task_status.started()
             while True:
-                await self._advance()
+                await self._guarded(self._advance())
                 if not self._can_step():
-                    await self._handle(await self._recv.receive())
+                    await self._guarded(self._handle(await self._recv.receive()))
                 while True:
                     try:
                         message = self._recv.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    await self._handle(message)
+                    await self._guarded(self._handle(message))
+
+    async def _guarded(self, work: Awaitable[None]) -> None:
+        """Run ``work``; if an engine call in it raises, fail every row and rebuild the batch."""
+        try:
+            await work
+        except Exception as exc:
+            self._faults += 1
+            self._consecutive_faults += 1
+            logger.exception("an engine call failed; failing %d row(s)", len(self._members))
+            message = f"engine error: {type(exc).__name__}: {exc}"
+            await self._fail_all(lambda row: RowFailed(row, message))
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -205,7 +216,13 @@ class BatchGroup:
             add = self._pending.popleft()
             if receiver_left(add.events):
                 continue
-            row = await self.engine.batch_add(add.request)
+            try:
+                row = await self.engine.batch_add(add.request)
+            except Exception as exc:  # the batch is unchanged: only this row fails
+                self._faults += 1
+                logger.exception("the engine could not add a row")
+                offer(add.events, LaneFailed(f"engine error: {type(exc).__name__}: {exc}"))
+                continue
             self._members[next(self._keys)] = _Member(add.events, row)
             self._rows_submitted += 1
 

@@ -116,7 +116,13 @@ class AdmissionGate:
                 f"the server is at capacity ({self.max_live} live, {self.max_queued} queued); "
                 f"retry after {self.retry_after_s:g} s"
             )
-            offer(reply, Refused(OverloadedError(message, retry_after_s=self.retry_after_s)))
+            error = OverloadedError(
+                message,
+                retry_after_s=self.retry_after_s,
+                live=len(self._live),
+                queued=len(self._waiters),
+            )
+            offer(reply, Refused(error))
 
     def _give_permit(self, reply: trio.MemorySendChannel[Reply]) -> bool:
         permit = Permit(self._next_permit)

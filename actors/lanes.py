@@ -17,11 +17,18 @@ class Abandoned:
     message: str
 
 
-LaneEvent = RowEvent | Abandoned
+@dataclass(frozen=True, slots=True)
+class LaneFailed:
+    """The lane could not run the row (the engine refused to add it). Ends ``failed``."""
+
+    message: str
+
+
+LaneEvent = RowEvent | Abandoned | LaneFailed
 
 
 def is_final(event: LaneEvent) -> bool:
     """Whether this is a row's last event (the row has left the engine)."""
     if isinstance(event, RowOutput):
         return event.stats is not None
-    return isinstance(event, RowFailed | Abandoned)
+    return isinstance(event, RowFailed | Abandoned | LaneFailed)

@@ -101,7 +101,9 @@ class SerialExecutor:
             logger.exception("serial run failed")
             await _send_quietly(events, RowFailed(0, f"engine error: {type(exc).__name__}: {exc}"))
         finally:
-            if started and not finished:
+            # Always, even after a final event: ending a finished run is a no-op, and an engine
+            # that did not clean up after a failure must not leak its run into the next one.
+            if started:
                 with trio.move_on_after(1.0, shield=True):
                     await self.engine.serial_stop()
             events.close()

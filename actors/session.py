@@ -21,7 +21,7 @@ from mlx_trio.actors import gate
 from mlx_trio.actors.arbiter import ArbiterMessage, acquire
 from mlx_trio.actors.batch_group import AddRow, BatchMessage
 from mlx_trio.actors.channels import take_buffered
-from mlx_trio.actors.lanes import Abandoned, LaneEvent
+from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed
 from mlx_trio.actors.messages import (
     Cancelled,
     CancelReason,
@@ -163,7 +163,7 @@ class Session:
                             timings=self._timings(),
                             lane=self.lane,
                         )
-                case RowFailed(message=message):
+                case RowFailed(message=message) | LaneFailed(message=message):
                     return Failed("engine_fault", message)
                 case Abandoned(message=message):
                     logger.error("session %s abandoned: %s", self.id, message)

@@ -114,6 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--step-timeout", type=float, default=60.0, help="engine step watchdog")
     serve.add_argument("--shutdown-grace", type=float, default=10.0)
 
+    chaos = commands.add_parser(
+        "chaos", help="run a randomized workload with injected faults and check the invariants"
+    )
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--requests", type=int, default=200)
+    chaos.add_argument(
+        "--faults", default="all", help="comma-separated fault kinds, or 'all' (see --list)"
+    )
+    chaos.add_argument("--list", action="store_true", help="list the fault kinds and exit")
+    chaos.add_argument(
+        "--model",
+        default=None,
+        help="run on a real model ('default' for the embedded one); default: the scripted engine",
+    )
+    chaos.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+
     pull = commands.add_parser("pull", help="fetch and import the embedded default model")
     pull.add_argument("--force", action="store_true", help="re-download and re-import")
     return parser
@@ -185,6 +201,32 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    import trio
+    import trio.testing
+
+    from mlx_trio.api.chaos import FAULT_KINDS, FaultPlan, run_on_model, run_scripted
+
+    if args.list:
+        print("\n".join(FAULT_KINDS))
+        return 0
+    kinds = FAULT_KINDS if args.faults == "all" else tuple(k for k in args.faults.split(",") if k)
+    if args.log_level != "DEBUG":  # the injected faults are logged as errors; the table says it all
+        logging.getLogger("mlx_trio.actors").setLevel(logging.CRITICAL)
+    if args.model is None:
+        plan = FaultPlan.generate(args.seed, args.requests, kinds)
+        logger.info("chaos: %d requests on the scripted engine (virtual time)", args.requests)
+        clock = trio.testing.MockClock(autojump_threshold=0)
+        report = trio.run(run_scripted, plan, clock=clock)
+    else:
+        plan = FaultPlan.generate(args.seed, args.requests, kinds, step_s=0.1)
+        model = None if args.model == "default" else args.model
+        logger.info("chaos: %d requests on %s (fault-free pass first)", args.requests, args.model)
+        report = trio.run(run_on_model, plan, model, args.device)
+    print(report.table())
+    return 0 if report.ok else 1
+
+
 def _pull(args: argparse.Namespace) -> int:
     from mlx_trio.engine.model_store import pull_default_model
 
@@ -206,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _generate(args)
             case "serve":
                 return _serve(args)
+            case "chaos":
+                return _chaos(args)
             case "pull":
                 return _pull(args)
     except MlxTrioError as exc:

@@ -100,8 +100,8 @@ class BatchEngine:
             processors=make_row_processors(params),
             stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
         )
-        self._rows[row_id] = row
         self._insert(row_id, row, list(request.prompt_tokens), params.max_tokens, None, None)
+        self._rows[row_id] = row  # only once mlx-lm took it: a failed add changes nothing
         return row_id
 
     def _insert(

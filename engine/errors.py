@@ -76,9 +76,13 @@ class OverloadedError(RuntimeRefusal):
 
     code = "overloaded"
 
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
+    def __init__(
+        self, message: str, *, retry_after_s: float, live: int = 0, queued: int = 0
+    ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.live = live  # the gate's counts when it refused
+        self.queued = queued
 
 
 class RuntimeClosedError(RuntimeRefusal):

@@ -64,6 +64,12 @@ class ThreadedEngine:
     def kv_bytes(self) -> int:
         return self._kv_bytes
 
+    @property
+    def num_rows(self) -> int:
+        """Rows in the batch plus the serial run, as of the last engine call."""
+        batch = self._batch.num_rows if self._batch is not None else 0
+        return batch + (self._serial is not None)
+
     async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         return await trio.to_thread.run_sync(self.engine.prepare, prompt, params)
 

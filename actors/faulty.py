@@ -1,0 +1,226 @@
+"""Fault injection at the engine seam: an ``EnginePort`` that wraps any other.
+
+``FaultyEngine`` wraps the scripted engine or the real one (``ThreadedEngine``) and injects
+the faults it is given, by batch step number or by request, and logs which requests each
+injection touched, so a harness can check every outcome against what was injected. Requests are
+recognised by a marker in their prompt text, ``[req N]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import trio
+
+from mlx_trio.actors.port import EnginePort
+from mlx_trio.engine.outputs import RowEvent, RowFailed, RowOutput
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from mlx_trio.engine.prompt import Prompt
+
+logger = logging.getLogger(__name__)
+
+MARKER = re.compile(r"\[req (\d+)\]")
+StepFaultKind = Literal["step_error", "prefill_error", "kv_exhausted", "step_hang", "step_slow"]
+
+
+class InjectedStepError(RuntimeError):
+    """An engine step failure that the fault plan asked for."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepFault:
+    """At batch step ``at_step`` (from 1): raise, run out of KV memory, hang, or be slow.
+
+    ``prefill_error`` waits for the first step in which request ``request`` is prefilling.
+    """
+
+    kind: StepFaultKind
+    at_step: int = 0
+    request: int | None = None
+    slow_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RowFault:
+    """Request ``request`` fails alone: its sampler raises at token ``at_token``, or the engine
+    cannot add it (``kind="add_error"``, KV memory exhausted at admission)."""
+
+    kind: Literal["sampler_error", "add_error"]
+    request: int
+    at_token: int = 0
+
+
+EngineFault = StepFault | RowFault
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    kind: str
+    step: int | None
+    requests: frozenset[int]
+
+
+@dataclass
+class FaultyEngine:
+    inner: EnginePort
+    faults: Iterable[EngineFault] = ()
+    injections: list[Injection] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        faults = list(self.faults)
+        self._step_faults = [f for f in faults if isinstance(f, StepFault)]
+        self._row_faults = {f.request: f for f in faults if isinstance(f, RowFault)}
+        self._request_of: dict[tuple[int, ...], int] = {}
+        self._rows: dict[int, int] = {}  # row id -> request number
+        self._generated: dict[int, int] = {}
+        self._prefilling: set[int] = set()
+        self._serial_request: int | None = None
+        self._serial_generated = 0
+        self.num_batch_steps = 0
+
+    def inject(self, fault: EngineFault) -> None:
+        """Add a fault while running (a step fault's ``at_step`` counts batch steps from 1)."""
+        if isinstance(fault, StepFault):
+            self._step_faults.append(fault)
+        else:
+            self._row_faults[fault.request] = fault
+
+    # -- pass-through -----------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self.inner.model_id
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.inner.kv_bytes
+
+    def token_text(self, token_id: int) -> str:
+        return self.inner.token_text(token_id)
+
+    def unbatchable_reason(self, request: PreparedRequest) -> str | None:
+        return self.inner.unbatchable_reason(request)
+
+    async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        prepared = await self.inner.prepare(prompt, params)
+        text = prompt if isinstance(prompt, str) else " ".join(m.content for m in prompt)
+        if (match := MARKER.search(text)) is not None:
+            self._request_of[prepared.prompt_tokens] = int(match.group(1))
+        return prepared
+
+    def _record(self, kind: str, step: int | None, requests: Iterable[int | None]) -> None:
+        hit = frozenset(r for r in requests if r is not None)
+        self.injections.append(Injection(kind, step, hit))
+        logger.info("injected %s at step %s into requests %s", kind, step, sorted(hit))
+
+    # -- the serial lane --------------------------------------------------------------------
+
+    async def serial_start(self, request: PreparedRequest) -> None:
+        self._serial_request = self._request_of.get(request.prompt_tokens)
+        self._serial_generated = 0
+        await self.inner.serial_start(request)
+
+    async def serial_step(self) -> list[RowEvent]:
+        return await self._row_faults_in(await self.inner.serial_step(), serial=True)
+
+    async def serial_stop(self) -> None:
+        await self.inner.serial_stop()
+
+    # -- the batch lane ---------------------------------------------------------------------
+
+    async def batch_add(self, request: PreparedRequest) -> int:
+        number = self._request_of.get(request.prompt_tokens)
+        fault = self._row_faults.get(number) if number is not None else None
+        if fault is not None and fault.kind == "add_error":
+            self._record("add_error", None, [number])
+            raise MemoryError("injected: no KV memory left to admit this request")
+        row = await self.inner.batch_add(request)
+        if number is not None:
+            self._rows[row] = number
+            self._generated[row] = 0
+            self._prefilling.add(row)
+        return row
+
+    async def batch_step(self) -> list[RowEvent]:
+        self.num_batch_steps += 1
+        step = self.num_batch_steps
+        live = [self._rows.get(row) for row in self._rows]
+        for fault in self._step_faults:
+            if not self._fires(fault, step):
+                continue
+            self._step_faults.remove(fault)
+            self._record(fault.kind, step, live)
+            match fault.kind:
+                case "step_hang":
+                    await trio.sleep_forever()
+                case "step_slow":
+                    await trio.sleep(fault.slow_s)
+                case "kv_exhausted":
+                    raise MemoryError(f"injected: KV memory exhausted at step {step}")
+                case "step_error" | "prefill_error":
+                    raise InjectedStepError(f"injected {fault.kind} at batch step {step}")
+            break
+        events = await self._row_faults_in(await self.inner.batch_step(), serial=False)
+        for event in events:
+            if isinstance(event, RowOutput):
+                self._prefilling.discard(event.row)
+            if isinstance(event, RowFailed) or (isinstance(event, RowOutput) and event.stats):
+                self._forget(event.row)
+        return events
+
+    def _fires(self, fault: StepFault, step: int) -> bool:
+        if fault.kind == "prefill_error":
+            return any(self._rows.get(row) == fault.request for row in self._prefilling)
+        return step >= fault.at_step
+
+    async def _row_faults_in(self, events: list[RowEvent], *, serial: bool) -> list[RowEvent]:
+        """Turn a row's output into a failure when its sampler fault is due."""
+        out: list[RowEvent] = []
+        for event in events:
+            number = self._serial_request if serial else self._rows.get(event.row)
+            fault = self._row_faults.get(number) if number is not None else None
+            if isinstance(event, RowOutput) and fault is not None and fault.kind == "sampler_error":
+                if serial:
+                    self._serial_generated += 1
+                    generated = self._serial_generated
+                else:
+                    generated = self._generated.get(event.row, 0) + 1
+                    self._generated[event.row] = generated
+                if generated > fault.at_token and event.stats is None:
+                    self._record("sampler_error", None, [number])
+                    del self._row_faults[number]
+                    if serial:
+                        await self.inner.serial_stop()
+                    else:
+                        await self.inner.batch_remove([event.row])
+                    message = f"injected sampler failure at token {fault.at_token}"
+                    out.append(RowFailed(event.row, message))
+                    continue
+            out.append(event)
+        return out
+
+    async def batch_remove(self, rows: list[int]) -> None:
+        await self.inner.batch_remove(rows)
+        for row in rows:
+            self._forget(row)
+
+    def _forget(self, row: int) -> None:
+        self._rows.pop(row, None)
+        self._prefilling.discard(row)
+        self._generated.pop(row, None)
+
+    async def batch_park(self, row: int) -> bool:
+        return await self.inner.batch_park(row)
+
+    async def batch_resume(self, row: int) -> None:
+        await self.inner.batch_resume(row)
+
+    async def batch_reset(self) -> None:
+        await self.inner.batch_reset()
+        self._rows.clear()
+        self._prefilling.clear()
+        self._generated.clear()
