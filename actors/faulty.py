@@ -17,7 +17,7 @@ from typing import Literal
 import trio
 
 from mlx_trio.actors.port import EnginePort
-from mlx_trio.engine.outputs import RowEvent, RowFailed, RowOutput
+from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
 
@@ -101,6 +101,9 @@ class FaultyEngine:
 
     def token_text(self, token_id: int) -> str:
         return self.inner.token_text(token_id)
+
+    def prompt_cache_statistics(self) -> PromptCacheStatistics | None:
+        return self.inner.prompt_cache_statistics()
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return self.inner.unbatchable_reason(request)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from mlx_trio.engine.outputs import RowEvent
+from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
 
@@ -28,6 +28,10 @@ class EnginePort(Protocol):
 
     async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Tokenize and check; raises ``InvalidRequestError``. Holds no engine resources."""
+        ...
+
+    def prompt_cache_statistics(self) -> PromptCacheStatistics | None:
+        """The prompt cache's counters, or None if the engine has none."""
         ...
 
     def token_text(self, token_id: int) -> str:

@@ -38,6 +38,7 @@ from mlx_trio.actors.port import EnginePort
 from mlx_trio.actors.serial import SerialExecutor
 from mlx_trio.actors.session import Session, SessionLinks
 from mlx_trio.engine.errors import RuntimeClosedError
+from mlx_trio.engine.outputs import PromptCacheStatistics
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class RuntimeStatistics:
     engine_faults: int
     stuck_steps: int
     kv_bytes: int
+    prompt_cache: PromptCacheStatistics | None
     is_healthy: bool
     is_closed: bool
 
@@ -276,6 +278,7 @@ class Runtime:
             engine_faults=batch.faults + serial.faults,
             stuck_steps=batch.stuck_steps + serial.stuck_steps,
             kv_bytes=self.engine.kv_bytes,
+            prompt_cache=self.engine.prompt_cache_statistics(),
             is_healthy=self.is_healthy,
             is_closed=self._closed,
         )

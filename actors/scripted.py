@@ -138,6 +138,9 @@ class ScriptedEngine:
     def token_text(self, token_id: int) -> str:
         return token_text(token_id)
 
+    def prompt_cache_statistics(self) -> None:
+        return None
+
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return None if self.script.batchable else "the scripted model cannot batch"
 

@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--step-timeout", type=float, default=60.0, help="engine step watchdog")
     serve.add_argument("--shutdown-grace", type=float, default=10.0)
+    serve.add_argument(
+        "--prompt-cache-bytes",
+        type=int,
+        default=None,
+        help="prompt cache budget (default: 1/8 of memory, at most 8 GiB; 0 turns it off)",
+    )
 
     chaos = commands.add_parser(
         "chaos", help="run a randomized workload with injected faults and check the invariants"
@@ -181,6 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         model=args.model,
         device=args.device,
+        prompt_cache_bytes=args.prompt_cache_bytes,
         runtime=RuntimeConfig(
             max_batch=args.max_batch,
             max_live=args.max_live,

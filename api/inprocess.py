@@ -170,12 +170,15 @@ async def open_runtime(
     *,
     engine: EnginePort | None = None,
     device: Literal["auto", "cpu", "gpu"] = "auto",
+    prompt_cache_bytes: int | None = None,
     config: RuntimeConfig | None = None,
     **config_fields: object,
 ) -> AsyncIterator[RuntimeHandle]:
     """Start a runtime on ``model`` (None: the embedded default) or on a given ``engine``.
 
-    Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...). On exit,
+    ``prompt_cache_bytes``: the prompt cache's budget (None: an eighth of memory, at most
+    8 GiB; 0: off). Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
+    On exit,
     admission closes and in-flight requests get ``shutdown_grace_s`` to finish.
     """
     config = replace(config or RuntimeConfig(), **config_fields)  # type: ignore[arg-type]
@@ -188,6 +191,12 @@ async def open_runtime(
     from mlx_trio.engine.threaded import ThreadedEngine
 
     with EngineThread() as thread:
-        port = await ThreadedEngine.load(thread, model, device=device, max_batch=config.max_batch)
+        port = await ThreadedEngine.load(
+            thread,
+            model,
+            device=device,
+            max_batch=config.max_batch,
+            prompt_cache_bytes=prompt_cache_bytes,
+        )
         async with open_runtime_actors(port, config) as runtime:
             yield RuntimeHandle(runtime)

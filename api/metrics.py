@@ -44,6 +44,22 @@ class _RuntimeCollector(Collector):
             ("mlx_trio_healthy", "1 when the engine makes progress", int(stats.is_healthy)),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        cache = stats.prompt_cache
+        if cache is None:
+            return
+        for name, doc, value in (
+            ("mlx_trio_prompt_cache_hits", "requests that reused a cached prefix", cache.hits),
+            ("mlx_trio_prompt_cache_misses", "requests that found no cached prefix", cache.misses),
+            ("mlx_trio_prompt_cache_hit_tokens", "prompt tokens not prefilled", cache.hit_tokens),
+            ("mlx_trio_prompt_cache_bytes", "bytes held by the prompt cache", cache.bytes),
+            ("mlx_trio_prompt_cache_entries", "entries in the prompt cache", cache.entries),
+            (
+                "mlx_trio_prompt_cache_evictions",
+                "entries evicted to fit the budget",
+                cache.evictions,
+            ),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 class Metrics:

@@ -30,6 +30,7 @@ class ServeOptions:
     port: int = 8000
     model: str | None = None
     device: str = "auto"
+    prompt_cache_bytes: int | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     http: HttpSettings = field(default_factory=HttpSettings)
     keep_alive_timeout_s: float = 5.0
@@ -78,8 +79,9 @@ async def serve(
             async with open_runtime(
                 options.model,
                 engine=engine,
-                device=options.device,
-                config=options.runtime,  # type: ignore[arg-type]
+                device=options.device,  # type: ignore[arg-type]
+                prompt_cache_bytes=options.prompt_cache_bytes,
+                config=options.runtime,
             ) as rt:
                 state.runtime = rt
                 state.model_id = rt.model_id

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import platform
 import sys
 import sysconfig
@@ -43,7 +44,11 @@ def ensure_openblas() -> Path | None:
         logger.warning("mlx was imported before OpenBLAS was loaded; CPU GEMM stays slow")
     for path in _candidates():
         if path.is_file():
-            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            library = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            if "OPENBLAS_NUM_THREADS" not in os.environ:
+                # MLX runs its own CPU threads; OpenBLAS's threads fight them and make the
+                # transformer-sized GEMMs 10-20x slower (design/001-openblas.md).
+                library.openblas_set_num_threads(1)
             _loaded = path
             logger.debug("loaded OpenBLAS from %s", path)
             return path

@@ -100,7 +100,15 @@ class BatchEngine:
             processors=make_row_processors(params),
             stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
         )
-        self._insert(row_id, row, list(request.prompt_tokens), params.max_tokens, None, None)
+        prompt = list(request.prompt_tokens)
+        cache = self._engine.prompt_cache
+        hit = cache.take(prompt) if cache is not None else None
+        if hit is None:
+            self._insert(row_id, row, prompt, params.max_tokens, None, None)
+        else:
+            decoder.num_cached_tokens = hit.num_tokens
+            skip = hit.num_tokens
+            self._insert(row_id, row, prompt[skip:], params.max_tokens, hit.cache, prompt[:skip])
         self._rows[row_id] = row  # only once mlx-lm took it: a failed add changes nothing
         return row_id
 
@@ -139,15 +147,33 @@ class BatchEngine:
         return guarded
 
     def remove(self, rows: Iterable[int]) -> None:
-        """Drop rows (cancelled, failed or parked); unknown ids are ignored. Frees their KV."""
+        """Drop rows (cancelled, failed or parked); unknown ids are ignored. Frees their KV,
+        after giving the prompt cache what they had prefilled (a retry resumes from there)."""
         uids = []
         for row_id in rows:
             row = self._rows.pop(row_id, None)
-            if row is not None and row.uid is not None:
+            if row is None:
+                continue
+            if row.uid is not None:
                 uids.append(row.uid)
                 del self._row_of_uid[row.uid]
-        if uids:
+            elif row.parked is not None:
+                caches, tokens = row.parked
+                self._commit(tokens[:-1], caches)
+        self._remove_uids(uids)
+
+    def _remove_uids(self, uids: list[int]) -> None:
+        if not uids:
+            return
+        if self._engine.prompt_cache is None:
             self._generator.remove(uids)
+            return
+        for caches, tokens in self._generator.remove(uids, return_prompt_caches=True).values():
+            self._commit(list(tokens), caches)
+
+    def _commit(self, tokens: list[int], caches: list[Any] | None) -> None:
+        if self._engine.prompt_cache is not None and caches:
+            self._engine.prompt_cache.put(tokens, caches)
 
     def can_park(self, row_id: int) -> bool:
         """Whether a row is generating (it has produced a token) and not parked."""
@@ -212,8 +238,9 @@ class BatchEngine:
             events.append(RowOutput(row=row_id, delta=delta, stats=decoder.stats()))
             if response.finish_reason is None:
                 finished_here.append(response.uid)
-        if finished_here:
-            self._generator.remove(finished_here)
+            else:  # mlx-lm dropped the row itself and handed back its cache
+                self._commit(list(response.all_tokens or []), response.prompt_cache)
+        self._remove_uids(finished_here)
         if self._sampler_faults:
             faults, self._sampler_faults = self._sampler_faults, {}
             failed = [row for row in faults if row in self._rows]

@@ -19,6 +19,7 @@ from mlx_trio.engine.loader import LoadedModel, load_model
 from mlx_trio.engine.outputs import Delta, GenerationStats
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt, check_fits, encode_prompt
+from mlx_trio.engine.prompt_cache import PromptCache, default_budget_bytes
 from mlx_trio.engine.row import RowDecoder
 from mlx_trio.engine.sampling import make_row_processors, make_row_sampler
 
@@ -46,24 +47,35 @@ class Generation:
 
     def __iter__(self) -> Iterator[Delta]:
         params = self._request.params
+        prompt = list(self._request.prompt_tokens)
+        prompt_cache = self._engine.prompt_cache
+        hit = prompt_cache.take(prompt) if prompt_cache is not None else None
+        kv = hit.cache if hit is not None else make_prompt_cache(self._engine.model)
+        skip = hit.num_tokens if hit is not None else 0
+        self._decoder.num_cached_tokens = skip
         steps = generate_step(
-            mx.array(self._request.prompt_tokens),
+            mx.array(prompt[skip:]),
             self._engine.model,
             max_tokens=params.max_tokens,
             sampler=make_row_sampler(params) or greedy_sampler,
             logits_processors=make_row_processors(params),
-            prompt_cache=make_prompt_cache(self._engine.model),
+            prompt_cache=kv,
             prefill_step_size=self._engine.prefill_step_size,
             prompt_progress_callback=self._on_progress,
         )
+        generated: list[int] = []
         try:
             for token, logprobs in steps:
+                generated.append(int(token))
                 delta = self._decoder.feed(int(token), logprobs)
                 yield delta
                 if delta.finish_reason is not None:
                     return
         finally:
             steps.close()
+            if prompt_cache is not None:
+                in_kv = (prompt + generated)[: kv[0].offset] if kv else []
+                prompt_cache.put(in_kv, kv)
 
     def stats(self) -> GenerationStats:
         return self._decoder.stats()
@@ -72,17 +84,30 @@ class Generation:
 class Engine:
     """A loaded model and what can be done with it, one call at a time."""
 
-    def __init__(self, loaded: LoadedModel, *, prefill_step_size: int = DEFAULT_PREFILL_STEP):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP,
+        prompt_cache_bytes: int | None = 0,
+    ):
+        """``prompt_cache_bytes``: the prompt cache's budget; 0 turns it off, None picks
+        :func:`default_budget_bytes`."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.prefill_step_size = prefill_step_size
         self.vocab_size = len(loaded.tokenizer)
+        budget = default_budget_bytes() if prompt_cache_bytes is None else prompt_cache_bytes
+        self.prompt_cache = PromptCache(budget, key=loaded.model_id) if budget > 0 else None
 
     @classmethod
-    def load(cls, spec: str | None = None, *, device: str = "auto") -> Engine:
+    def load(
+        cls, spec: str | None = None, *, device: str = "auto", prompt_cache_bytes: int | None = 0
+    ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread."""
-        return cls(load_model(spec, device=device))  # type: ignore[arg-type]
+        loaded = load_model(spec, device=device)  # type: ignore[arg-type]
+        return cls(loaded, prompt_cache_bytes=prompt_cache_bytes)
 
     @property
     def model_id(self) -> str:

@@ -78,3 +78,14 @@ class RowFailed:
 
 
 RowEvent = RowProgress | RowOutput | RowFailed
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCacheStatistics:
+    hits: int
+    misses: int
+    hit_tokens: int
+    entries: int
+    bytes: int
+    budget_bytes: int
+    evictions: int

@@ -45,7 +45,7 @@ class RowDecoder:
         self.stop_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(params.stop_token_ids)
         self._text = TextStream(tokenizer, params.stop)
         self._num_prompt_tokens = num_prompt_tokens
-        self._num_cached_tokens = num_cached_tokens
+        self.num_cached_tokens = num_cached_tokens
         self._num_generated = 0
         self._started_at = time.perf_counter()
         self._first_token_at: float | None = None
@@ -95,7 +95,7 @@ class RowDecoder:
         first = self._first_token_at or end
         return GenerationStats(
             prompt_tokens=self._num_prompt_tokens,
-            cached_tokens=self._num_cached_tokens,
+            cached_tokens=self.num_cached_tokens,
             generated_tokens=self._num_generated,
             prefill_s=first - self._started_at,
             decode_s=end - first,

@@ -14,7 +14,13 @@ import trio
 
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK, BatchEngine
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.outputs import Delta, RowEvent, RowOutput, RowProgress
+from mlx_trio.engine.outputs import (
+    Delta,
+    PromptCacheStatistics,
+    RowEvent,
+    RowOutput,
+    RowProgress,
+)
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
 from mlx_trio.engine.thread import EngineThread
@@ -49,9 +55,18 @@ class ThreadedEngine:
 
     @classmethod
     async def load(
-        cls, thread: EngineThread, spec: str | None, *, device: str, max_batch: int
+        cls,
+        thread: EngineThread,
+        spec: str | None,
+        *,
+        device: str,
+        max_batch: int,
+        prompt_cache_bytes: int | None = None,
     ) -> ThreadedEngine:
-        engine = await thread.run(lambda: Engine.load(spec, device=device))
+        """Load on the engine thread; ``prompt_cache_bytes`` None picks a default, 0 is off."""
+        engine = await thread.run(
+            lambda: Engine.load(spec, device=device, prompt_cache_bytes=prompt_cache_bytes)
+        )
         port = cls(engine, thread, max_batch=max_batch)
         await thread.run(port._new_batch)
         return port
@@ -72,6 +87,10 @@ class ThreadedEngine:
 
     async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         return await trio.to_thread.run_sync(self.engine.prepare, prompt, params)
+
+    def prompt_cache_statistics(self) -> PromptCacheStatistics | None:
+        cache = self.engine.prompt_cache
+        return cache.statistics() if cache is not None else None
 
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])

@@ -54,3 +54,22 @@ async def test_async_sdk_streaming_matches_non_streaming(server):
         pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         assert "".join(pieces) == whole.choices[0].message.content
         assert "Paris" in "".join(pieces)
+
+
+def test_a_repeated_prompt_reports_cached_tokens(server):
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    messages = [
+        {"role": "system", "content": "You are a terse assistant. " * 20},
+        {"role": "user", "content": "Name a planet."},
+    ]
+    first = sdk.chat.completions.create(
+        model=model_id(server), messages=messages, temperature=0, max_tokens=8
+    )
+    second = sdk.chat.completions.create(
+        model=model_id(server), messages=messages, temperature=0, max_tokens=8
+    )
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    stats = httpx.get(f"{server.url}/v1/stats").json()["prompt_cache"]
+    assert stats["hits"] >= 1
+    assert "mlx_trio_prompt_cache_hits" in httpx.get(f"{server.url}/metrics").text

@@ -1,0 +1,99 @@
+"""The prompt cache: reuse the KV of a shared token prefix, within a byte budget.
+
+Built on mlx-lm's ``LRUPromptCache`` (a token trie with LRU eviction and a byte bound), which
+already finds an exact match, the longest cached prefix, or a longer entry it can trim. This
+wrapper counts hits, misses, reused tokens and evictions, never hands out a cache that leaves
+nothing to prefill (the model needs one token to produce logits), and only accepts entries that
+fit the budget. Both lanes use one instance; it lives on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from mlx_trio.engine.outputs import PromptCacheStatistics
+
+logger = logging.getLogger(__name__)
+
+MAX_ENTRIES = 1 << 20  # the byte budget binds first
+MIN_TOKENS = 16  # shorter prefixes are not worth an entry
+
+
+def default_budget_bytes() -> int:
+    """An eighth of physical memory, at most 8 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return min(total // 8, 8 << 30)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHit:
+    """KV caches holding ``num_tokens`` leading tokens of the prompt (a private copy)."""
+
+    cache: list[Any]
+    num_tokens: int
+
+
+class PromptCache:
+    def __init__(self, budget_bytes: int, *, key: str = "model") -> None:
+        self.budget_bytes = budget_bytes
+        self._key = key
+        self._lru = LRUPromptCache(max_size=MAX_ENTRIES)  # we trim to the budget, and count
+        self._hits = 0
+        self._misses = 0
+        self._hit_tokens = 0
+        self._evictions = 0
+
+    def take(self, tokens: list[int]) -> CacheHit | None:
+        """The KV for the longest cached prefix of ``tokens``, leaving at least one to prefill."""
+        cache, rest = self._lru.fetch_nearest_cache(self._key, tokens)
+        if cache is None:
+            self._misses += 1
+            return None
+        cached = len(tokens) - len(rest)
+        if cached >= len(tokens):  # an exact match: give the last token back to prefill
+            if not can_trim_prompt_cache(cache):
+                self._misses += 1
+                return None
+            trim_prompt_cache(cache, cached - len(tokens) + 1)
+            cached = len(tokens) - 1
+        if cached <= 0:
+            self._misses += 1
+            return None
+        self._hits += 1
+        self._hit_tokens += cached
+        return CacheHit(cache, cached)
+
+    def put(self, tokens: list[int], cache: list[Any]) -> None:
+        """Keep ``cache``, which holds the KV of exactly ``tokens``."""
+        if len(tokens) < MIN_TOKENS or not cache:
+            return
+        offset = getattr(cache[0], "offset", len(tokens))
+        if offset != len(tokens):
+            logger.debug("not caching: %d tokens but a KV offset of %d", len(tokens), offset)
+            return
+        size = sum(c.nbytes for c in cache)
+        if size > self.budget_bytes:
+            return
+        self._lru.insert_cache(self._key, list(tokens), cache)
+        before = len(self._lru)
+        self._lru.trim_to(n_bytes=self.budget_bytes)
+        self._evictions += before - len(self._lru)
+
+    def statistics(self) -> PromptCacheStatistics:
+        return PromptCacheStatistics(
+            hits=self._hits,
+            misses=self._misses,
+            hit_tokens=self._hit_tokens,
+            entries=len(self._lru),
+            bytes=self._lru.nbytes,
+            budget_bytes=self.budget_bytes,
+            evictions=self._evictions,
+        )

@@ -1,0 +1,116 @@
+"""The prompt cache on both lanes: hits give the same greedy output as no cache, within budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.outputs import RowOutput
+from mlx_trio.engine.params import SamplingParams
+from tests.tiny import make_loaded
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+SYSTEM = "You are a helpful assistant who answers briefly and never makes anything up. "
+FIRST = SYSTEM + "What is the tallest mountain on earth?"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return make_loaded()
+
+
+def engine_with_cache(loaded, budget: int = 64 << 20) -> Engine:
+    return Engine(loaded, prefill_step_size=16, prompt_cache_bytes=budget)
+
+
+def serial(engine: Engine, prompt: str) -> tuple[list[int], int]:
+    generation = engine.generate(engine.prepare(prompt, GREEDY))
+    tokens = [t for d in generation for t in d.token_ids]
+    return tokens, generation.stats().cached_tokens
+
+
+def batched(engine: Engine, prompts: list[str]) -> list[tuple[list[int], int]]:
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
+    rows = [batch.add(engine.prepare(p, GREEDY)) for p in prompts]
+    tokens: dict[int, list[int]] = {row: [] for row in rows}
+    cached: dict[int, int] = {}
+    while batch.num_rows:
+        for event in batch.step():
+            if isinstance(event, RowOutput):
+                tokens[event.row].extend(event.delta.token_ids)
+                if event.stats is not None:
+                    cached[event.row] = event.stats.cached_tokens
+    return [(tokens[row], cached[row]) for row in rows]
+
+
+def reference(loaded, prompt: str) -> list[int]:
+    return serial(Engine(loaded, prefill_step_size=16), prompt)[0]
+
+
+def continuation(engine: Engine, prompt: str, answer_tokens: list[int]) -> str:
+    return prompt + engine.decode(answer_tokens) + " And the second tallest?"
+
+
+@pytest.mark.parametrize("lane", ["serial", "batch"])
+def test_hits_give_the_same_greedy_output_as_no_cache(loaded, lane):
+    engine = engine_with_cache(loaded)
+    run = (lambda p: serial(engine, p)) if lane == "serial" else (lambda p: batched(engine, [p])[0])
+
+    first, cached = run(FIRST)
+    assert cached == 0 and first == reference(loaded, FIRST)
+
+    exact, cached = run(FIRST)  # exact match: all but the last prompt token reused
+    assert exact == first
+    assert cached == len(engine.prepare(FIRST, GREEDY).prompt_tokens) - 1
+
+    longer_prompt = continuation(engine, FIRST, first)  # a cached entry is a strict prefix
+    longer, cached = run(longer_prompt)
+    assert longer == reference(loaded, longer_prompt)
+    assert cached >= len(engine.prepare(FIRST, GREEDY).prompt_tokens)
+
+    shorter_prompt = SYSTEM + "Name a river."  # the cache holds longer entries: trimmed
+    shorter, cached = run(shorter_prompt)
+    assert shorter == reference(loaded, shorter_prompt)
+    assert cached > 0
+    stats = engine.prompt_cache.statistics()
+    assert stats.hits == 3 and stats.misses == 1
+
+
+def test_the_lanes_share_one_cache(loaded):
+    engine = engine_with_cache(loaded)
+    serial_tokens, _ = serial(engine, FIRST)
+    ((batch_tokens, cached),) = batched(engine, [FIRST])
+    assert batch_tokens == serial_tokens and cached > 0
+
+
+def test_a_cancelled_row_commits_what_it_prefilled(loaded):
+    engine = engine_with_cache(loaded)
+    long_prompt = SYSTEM * 4 + "Summarize all of that."
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
+    row = batch.add(engine.prepare(long_prompt, GREEDY))
+    for _ in range(3):  # three prefill chunks of 16 tokens
+        batch.step()
+    batch.remove([row])
+    assert engine.prompt_cache.statistics().entries == 1
+    ((tokens, cached),) = batched(engine, [long_prompt])
+    assert cached >= 32
+    assert tokens == reference(loaded, long_prompt)
+
+
+def test_entries_never_exceed_the_budget_and_evictions_are_counted(loaded):
+    probe = engine_with_cache(loaded)
+    serial(probe, FIRST)
+    one_entry = probe.prompt_cache.statistics().bytes
+    engine = engine_with_cache(loaded, budget=int(one_entry * 2.5))
+    for i in range(6):
+        serial(engine, f"{i} unrelated prompt number {i} with enough tokens to be cached")
+        assert engine.prompt_cache.statistics().bytes <= engine.prompt_cache.budget_bytes
+    stats = engine.prompt_cache.statistics()
+    assert stats.evictions >= 3 and stats.entries <= 2
+
+
+def test_no_budget_means_no_cache(loaded):
+    engine = Engine(loaded, prompt_cache_bytes=0)
+    assert engine.prompt_cache is None
+    assert serial(engine, FIRST)[1] == 0
