@@ -66,6 +66,7 @@ class HttpSettings:
     max_n: int = 8
     default_max_tokens: int = 512
     request_timeout_s: float | None = None
+    body_timeout_s: float = 30.0
 
 
 class HttpError(Exception):
@@ -108,15 +109,18 @@ class AppState:
 # -- request parsing ---------------------------------------------------------------------
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise HttpError(413, f"request body is over the {limit} byte limit")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HttpError(413, f"request body is over the {limit} byte limit")
+    with trio.move_on_after(timeout_s) as deadline:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise HttpError(413, f"request body is over the {limit} byte limit")
+    if deadline.cancelled_caught:
+        raise HttpError(408, f"the request body did not arrive within {timeout_s:g} s")
     try:
         data = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
@@ -198,17 +202,20 @@ class Api:
     def settings(self) -> HttpSettings:
         return self.state.settings
 
+    async def _read(self, request: Request) -> dict[str, Any]:
+        return await read_json(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
+
     def _runtime(self) -> RuntimeHandle:
         if self.state.runtime is None:
             raise HttpError(503, "the model is loading", type="server_error", code="loading")
         return self.state.runtime
 
     async def chat(self, request: Request) -> Response:
-        body = parse(ChatCompletionRequest, await read_json(request, self.settings.max_body_bytes))
+        body = parse(ChatCompletionRequest, await self._read(request))
         return await self._generate(request, "chat", body, [body.chat])
 
     async def completions(self, request: Request) -> Response:
-        body = parse(CompletionRequest, await read_json(request, self.settings.max_body_bytes))
+        body = parse(CompletionRequest, await self._read(request))
         try:
             prompts = body.prompts()
         except InvalidRequestError as exc:

@@ -34,7 +34,9 @@ class ServeOptions:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     http: HttpSettings = field(default_factory=HttpSettings)
     keep_alive_timeout_s: float = 5.0
-    read_timeout_s: float = 30.0
+    # Hypercorn's read timeout covers the whole connection, response included: it would cut
+    # every stream or generation longer than it. The body has its own deadline (HttpSettings).
+    read_timeout_s: float | None = None
     handle_signals: bool = True
 
 

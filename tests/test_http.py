@@ -359,3 +359,27 @@ async def test_256_concurrent_streaming_clients_are_all_served(server):
         for i in range(256):
             nursery.start_soon(stream_one, http, i)
     assert len(done) == 256
+
+
+def test_a_stream_longer_than_the_body_deadline_is_not_cut():
+    options = ServeOptions(http=HttpSettings(body_timeout_s=0.3))
+    with ServerThread(options, engine=ScriptedEngine(Script(step_s=0.03))) as server:
+        wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200)
+        body = chat_body("long", max_tokens=40, stream=True)
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as reply:
+            data = [line for line in reply.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "data: [DONE]"
+        assert sum('"content":"t' in line for line in data) == 40
+
+
+def test_a_body_that_never_finishes_gets_408():
+    options = ServeOptions(http=HttpSettings(body_timeout_s=0.3))
+    with ServerThread(options, engine=ScriptedEngine()) as slow_server:
+        host, port = slow_server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            head = (
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+            )
+            sock.sendall(head)
+            assert sock.recv(64).startswith(b"HTTP/1.1 408")
