@@ -95,9 +95,11 @@ class BatchGroup:
         max_batch: int,
         step_timeout_s: float,
         inbox_size: int,
+        admission_window_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.max_batch = max_batch
+        self.admission_window_s = admission_window_s
         self.step_timeout_s = step_timeout_s
         self.inbox, self._recv = trio.open_memory_channel[BatchMessage](inbox_size)
         self._arbiter = arbiter
@@ -139,12 +141,15 @@ class BatchGroup:
                 await self._guarded(self._advance())
                 if not self._can_step():
                     await self._guarded(self._handle(await self._recv.receive()))
-                while True:
-                    try:
-                        message = self._recv.receive_nowait()
-                    except trio.WouldBlock:
-                        break
-                    await self._guarded(self._handle(message))
+                await self._guarded(self._take_waiting_messages())
+
+    async def _take_waiting_messages(self) -> None:
+        while True:
+            try:
+                message = self._recv.receive_nowait()
+            except trio.WouldBlock:
+                return
+            await self._handle(message)
 
     async def _guarded(self, work: Awaitable[None]) -> None:
         """Run ``work``; if an engine call in it raises, fail every row and rebuild the batch."""
@@ -199,6 +204,11 @@ class BatchGroup:
     async def _advance(self) -> None:
         """Admit, step once, give the lease back when empty, ask for it when there is work."""
         if self._lease is not None:
+            if not self._members and self._pending and self.admission_window_s > 0:
+                # An empty batch waits a moment so that a burst of arrivals is prefilled
+                # together instead of one row first and the rest a whole step later.
+                await trio.sleep(self.admission_window_s)
+                await self._take_waiting_messages()
             await self._admit()
             await self._drop_departed()
             if self._num_active() > 0:

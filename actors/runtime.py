@@ -55,6 +55,8 @@ class RuntimeConfig:
     buffers for a slow consumer; ``idle_timeout_s``: how long an event may wait for the consumer
     before the session is cancelled ``consumer_idle``. ``step_timeout_s``: the step watchdog.
     ``unhealthy_after_faults``: consecutive step faults that make ``is_healthy`` false.
+    ``admission_window_s``: how long an empty batch waits for more arrivals before its first
+    step, so a burst is prefilled together.
     """
 
     max_batch: int = 8
@@ -66,6 +68,7 @@ class RuntimeConfig:
     shutdown_grace_s: float = 10.0
     retry_after_s: float = 1.0
     unhealthy_after_faults: int = 3
+    admission_window_s: float = 0.005
 
     @property
     def live_limit(self) -> int:
@@ -115,6 +118,7 @@ class Runtime:
             max_batch=config.max_batch,
             step_timeout_s=config.step_timeout_s,
             inbox_size=inbox_size,
+            admission_window_s=config.admission_window_s,
         )
         self.serial = SerialExecutor(
             engine, self.arbiter.inbox, step_timeout_s=config.step_timeout_s
