@@ -24,6 +24,7 @@ from mlx_trio.engine.outputs import (
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
 from mlx_trio.engine.thread import EngineThread
+from mlx_trio.engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ class ThreadedEngine:
         )
         port = cls(engine, thread, max_batch=max_batch)
         await thread.run(port._new_batch)
+        # Compile the kernels of every shape the runtime will use before anyone calls it
+        # healthy (GPU; returns at once on CPU).
+        await thread.run(
+            lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=port.prefill_chunk)
+        )
         return port
 
     @property

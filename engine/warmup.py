@@ -1,0 +1,178 @@
+"""Kernel warm-up: run the shapes the runtime will use before it reports healthy.
+
+MLX's CUDA backend compiles a kernel (NVRTC) the first time it meets a new kernel configuration:
+fused element-wise kernels, gathers, and for 4-bit weights one quantized matmul per row tile
+(about 38 s each on an H200). A runtime that reports healthy first would stall its first requests
+of each new shape, past any step watchdog. :func:`warm_up` runs the exact code paths the runtime
+uses, on the calling thread (the engine thread): one short single-request generation through
+:meth:`Engine.generate`, greedy :class:`BatchEngine` batches of 1, 2, 4, ..., ``max_batch`` rows,
+where every row is decoding at once at the top (rows enter eight at a time, so this also runs the
+multiples of eight on the way up and down), one sampled batch, single-row prompts that select
+each quantized-matmul tile, and one full prefill chunk of ``prefill_chunk`` tokens for a prefill
+group. Compiled kernels are kept for the process and on disk (``MLX_PTX_CACHE_DIR``, by default
+``$TMPDIR/mlx/<version>/ptx``): with that cache warm, a restart's warm-up took 9 s instead of
+55 s (bfloat16) and 18 s instead of 97 s (4-bit) for a Llama-3.2-1B shape (design/008-gpu.md).
+
+On CPU nothing is compiled per shape (a fresh process's first 2-token generation of the default
+model took 0.61 s, the next ones 0.50 s and 0.80 s), so there it returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import mlx.core as mx
+
+from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PREFILL_GROUP = 8  # rows BatchEngine prefills together (its ``prefill_batch``)
+SHORT_PROMPT = 8
+# MLX 0.32's CUDA quantized matmul (qmm_sm80) compiles one kernel per row tile, picked from
+# the tokens per row in a step: min(64, max(16, next power of two)). About 38 s each on an H200.
+QMM_TILES = (16, 32, 64)
+SERIAL_NEW_TOKENS = 4
+
+BatchLane = Literal["batch", "sampled", "prefill"]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupShape:
+    """One warm-up run: ``rows`` requests of ``prompt_tokens`` each, ``new_tokens`` at most."""
+
+    lane: Literal["serial"] | BatchLane
+    rows: int
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float
+
+    def describe(self) -> str:
+        return f"{self.lane} {self.rows}x{self.prompt_tokens}+{self.new_tokens} {self.seconds:.2f}s"
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    """What :func:`warm_up` ran and how long it took, in all and per shape."""
+
+    device: str
+    seconds: float
+    shapes: tuple[WarmupShape, ...]
+
+    def describe(self) -> str:
+        runs = ", ".join(shape.describe() for shape in self.shapes)
+        return (
+            f"warm-up on {self.device}: {len(self.shapes)} shapes in {self.seconds:.1f} s ({runs})"
+        )
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below ``max_batch``, then ``max_batch`` itself."""
+    sizes = [1 << i for i in range(max(max_batch, 1).bit_length()) if 1 << i < max_batch]
+    return [*sizes, max_batch]
+
+
+def plan(*, max_batch: int, prefill_chunk: int) -> list[tuple[BatchLane, int, int, int]]:
+    """The batch runs of a GPU warm-up: (lane, rows, prompt tokens, new tokens)."""
+    # A group of PREFILL_GROUP rows enters every second step (one step prefills it, the next
+    # moves it to decoding): enough new tokens that the first rows are still decoding when the
+    # last ones start, so all of them decode together at the top.
+    runs: list[tuple[BatchLane, int, int, int]] = [
+        ("batch", rows, SHORT_PROMPT, 2 * math.ceil(rows / PREFILL_GROUP) + 2)
+        for rows in batch_sizes(max_batch)
+    ]
+    runs.append(("sampled", min(2, max_batch), SHORT_PROMPT, 3))
+    # A prompt's last token is decoded, the rest prefilled: 16, 32 and a full chunk of prompt
+    # tokens select the 16-, 32- and 64-row tiles of MLX's JIT-compiled 4-bit matmul.
+    for length in sorted({QMM_TILES[0] + 1, QMM_TILES[1] + 1, prefill_chunk + 1}):
+        runs.append(("prefill", 1, length, 2))
+    runs.append(("prefill", min(PREFILL_GROUP, max_batch), prefill_chunk + 1, 2))
+    return runs
+
+
+def warm_up(
+    engine: Engine, *, max_batch: int, prefill_chunk: int, force: bool = False
+) -> WarmupReport:
+    """Run the runtime's shapes once so MLX compiles their kernels now; on the calling thread.
+
+    ``max_batch`` and ``prefill_chunk`` must be the runtime's (``ThreadedEngine``'s). On CPU it
+    returns at once unless ``force`` (tests run the GPU pass on CPU that way). The prompt cache,
+    if the engine has one, is switched off meanwhile so warm-up prompts never enter it. Leaves
+    nothing allocated but MLX's kernel caches; raises whatever a generation raises.
+    """
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    if on_cpu and not force:
+        logger.info("warm-up skipped on cpu: MLX compiles no kernels per shape there")
+        return WarmupReport("cpu", 0.0, ())
+    prompt_cache = getattr(engine, "prompt_cache", None)
+    if prompt_cache is not None:
+        engine.prompt_cache = None
+    shapes: list[WarmupShape] = []
+    start = time.perf_counter()
+    try:
+        shapes.append(_serial(engine, SHORT_PROMPT, SERIAL_NEW_TOKENS))
+        batch = BatchEngine(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        try:
+            for lane, rows, prompt_tokens, new_tokens in plan(
+                max_batch=max_batch, prefill_chunk=prefill_chunk
+            ):
+                shape = _batch(batch, engine, lane, rows, prompt_tokens, new_tokens, prefill_chunk)
+                shapes.append(shape)
+        finally:
+            batch.close()
+    finally:
+        if prompt_cache is not None:
+            engine.prompt_cache = prompt_cache
+    report = WarmupReport("cpu" if on_cpu else "gpu", time.perf_counter() - start, tuple(shapes))
+    logger.info("%s", report.describe())
+    return report
+
+
+def _prompt(engine: Engine, length: int, salt: int) -> tuple[int, ...]:
+    """``length`` ordinary token ids (no special or end-of-sequence ids), distinct per ``salt``."""
+    avoid = set(getattr(engine.tokenizer, "all_special_ids", ()) or ())
+    avoid |= set(engine.tokenizer.eos_token_ids)
+    pool = [t for t in range(min(engine.vocab_size, 4096)) if t not in avoid] or [0]
+    return tuple(pool[(salt * 7919 + i * 31) % len(pool)] for i in range(length))
+
+
+def _serial(engine: Engine, prompt_tokens: int, new_tokens: int) -> WarmupShape:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    request = PreparedRequest(prompt_tokens=_prompt(engine, prompt_tokens, 0), params=params)
+    start = time.perf_counter()
+    for _ in engine.generate(request):
+        pass
+    return WarmupShape("serial", 1, prompt_tokens, new_tokens, time.perf_counter() - start)
+
+
+def _batch(
+    batch: BatchEngine,
+    engine: Engine,
+    lane: BatchLane,
+    rows: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    prefill_chunk: int,
+) -> WarmupShape:
+    temperature = 1.0 if lane == "sampled" else 0.0
+    params = SamplingParams(temperature=temperature, max_tokens=new_tokens)
+    start = time.perf_counter()
+    for row in range(rows):
+        prompt = _prompt(engine, prompt_tokens, row + 1)
+        batch.add(PreparedRequest(prompt_tokens=prompt, params=params))
+    # Each step decodes every generating row once and prefills one chunk of one group.
+    chunks = math.ceil(prompt_tokens / prefill_chunk) + 1
+    max_steps = 2 * math.ceil(rows / PREFILL_GROUP) * chunks + new_tokens + 8
+    for _ in range(max_steps):
+        if batch.num_rows == 0:
+            break
+        batch.step()
+    else:
+        raise RuntimeError(f"warm-up batch of {rows} rows did not finish in {max_steps} steps")
+    return WarmupShape(lane, rows, prompt_tokens, new_tokens, time.perf_counter() - start)

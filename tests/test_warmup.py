@@ -1,0 +1,27 @@
+"""Kernel warm-up runs the runtime's own paths and leaves nothing behind."""
+
+from __future__ import annotations
+
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.warmup import warm_up
+from tests.tiny import make_loaded
+
+
+def test_warm_up_runs_every_batch_size_and_leaves_the_prompt_cache_empty():
+    engine = Engine(make_loaded(), prompt_cache_bytes=16 << 20)
+    report = warm_up(engine, max_batch=8, prefill_chunk=32, force=True)
+    rows = {shape.rows for shape in report.shapes if shape.lane == "batch"}
+    assert {1, 2, 4, 8} <= rows
+    assert any(shape.lane == "serial" for shape in report.shapes)
+    assert report.seconds >= sum(shape.seconds for shape in report.shapes) * 0.99
+    assert engine.prompt_cache is not None and engine.prompt_cache.statistics().entries == 0
+    # The engine still generates normally afterwards, cache included.
+    request = engine.prepare("after the warm-up " * 4, SamplingParams(temperature=0, max_tokens=3))
+    assert len([t for d in engine.generate(request) for t in d.token_ids]) == 3
+
+
+def test_warm_up_returns_at_once_on_cpu():
+    engine = Engine(make_loaded())
+    report = warm_up(engine, max_batch=8, prefill_chunk=32)
+    assert report.shapes == () and report.device == "cpu"
