@@ -63,7 +63,7 @@ def _content_of(chunk: dict) -> str:
 
 
 @dataclass(slots=True)
-class _Progress:
+class StreamProgress:
     """What one request has measured so far; kept when the request fails or times out."""
 
     started: float
@@ -87,7 +87,7 @@ class _Progress:
         return self.usage_tokens if self.usage_tokens is not None else self.num_chunks
 
 
-async def _stream_one(client: httpx.AsyncClient, body: dict, progress: _Progress) -> None:
+async def _stream_one(client: httpx.AsyncClient, body: dict, progress: StreamProgress) -> None:
     """Send one streaming request and read it to ``[DONE]``, recording into ``progress``.
 
     Raises _StreamFailed for a non-200 status, an ``error`` object, bad JSON or no ``[DONE]``;
@@ -150,7 +150,7 @@ async def run_request(
     before failing (TTFT, gaps, chunks received).
     Cancelled from outside: the cancellation propagates and the connection is closed.
     """
-    progress = _Progress(started=time.perf_counter())
+    progress = StreamProgress(started=time.perf_counter())
     error: str | None = None
     detail: str | None = None
     with trio.move_on_after(timeout_s) as scope:

@@ -66,16 +66,27 @@ def ensure_f32_model() -> Path:
     return target
 
 
-def server_spec(system: str, port: int, f32_dir: Path) -> ServerSpec:
-    """The command line for ``system`` listening on 127.0.0.1:``port``."""
+def server_spec(
+    system: str, port: int, f32_dir: Path, *, listen_backlog: int | None = None
+) -> ServerSpec:
+    """The command line for ``system`` listening on 127.0.0.1:``port``.
+
+    ``listen_backlog`` (mlx_lm only): the listening socket's backlog instead of Python
+    ``socketserver``'s 5, past which a burst of new connections is reset.
+    """
     host = ("--host", "127.0.0.1", "--port", str(port))
     if system == "mlx-trio":
         argv = (sys.executable, "-m", "mlx_trio.api.cli", "serve", *host)
         return ServerSpec(system, (*argv, "--max-batch", str(MAX_BATCH)), model=None)
     if system == "mlx_lm":
         # Importing mlx_trio.engine first loads OpenBLAS before MLX, as mlx-trio does for itself.
+        backlog = (
+            ""
+            if listen_backlog is None
+            else f"socketserver.TCPServer.request_queue_size = {listen_backlog}; "
+        )
         code = (
-            "import mlx_trio.engine, sys; from mlx_lm.server import main; "
+            f"import mlx_trio.engine, socketserver, sys; {backlog}from mlx_lm.server import main; "
             "sys.argv[0] = 'mlx_lm.server'; main()"
         )
         flags = (

@@ -1,0 +1,352 @@
+"""The in-process systems of ``bench.suite``, one per subprocess, driven over a pipe.
+
+``python -m bench.suite_inprocess SYSTEM`` loads the default model (float32 on CPU, prompt
+cache off), prints one ready line, then answers one JSON line on stdout per JSON line on stdin:
+
+- ``{"op": "run", "clients": N, "max_tokens": M, "prompt_offset": K}``: N streams of the chat
+  prompts K..K+N-1 of ``bench.http_load.prompt``, greedy; the answer is the wall time and one
+  ``RequestResult`` per stream, measured as ``bench.chat_stream`` measures an HTTP stream.
+- ``{"op": "cancel_probe", "streams": 8, "trials": 5, "prompt_offset": K}`` (``mlx-trio``
+  only): with ``streams`` running, cancel one and count the batch steps started between the
+  cancel and the row leaving the batch; one answer row per trial.
+
+SYSTEM is ``stream_generate`` (mlx-lm's single-stream loop: N streams run one after another),
+``batch_generator`` (mlx-lm's ``BatchGenerator`` on its own, all N inserted at once) or
+``mlx-trio`` (the in-process API over ``open_runtime``). Each runs in its own process so that
+its peak RSS is its own. Anything else the process prints goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import TextIO
+
+import trio
+
+from bench.chat_stream import RequestResult, StreamProgress
+from bench.http_load import prompt
+from bench.systems import MAX_BATCH, PREFILL_BATCH, PREFILL_CHUNK
+from mlx_trio.actors.messages import (
+    Cancelled,
+    Completed,
+    Failed,
+    GenerationRequest,
+    TextDelta,
+)
+from mlx_trio.actors.runtime import RuntimeConfig
+from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle, open_runtime
+from mlx_trio.engine.errors import MlxTrioError
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.thread import EngineThread
+from mlx_trio.engine.threaded import ThreadedEngine
+
+SYSTEMS = ("stream_generate", "batch_generator", "mlx-trio")
+WARMUP_CLIENTS = 4
+WARMUP_MAX_TOKENS = 8
+PROBE_MAX_TOKENS = 256
+PROBE_TOKENS_BEFORE_CANCEL = 3
+PROBE_WAIT_S = 60.0
+
+Handler = Callable[[dict], Awaitable[dict]]
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def _tokens(engine: Engine, text: str, max_tokens: int) -> list[int]:
+    """The prompt tokens every system gets: the chat template over one user message."""
+    request = engine.prepare([ChatMessage("user", text)], _params(max_tokens))
+    return list(request.prompt_tokens)
+
+
+def _result(index: int, progress: StreamProgress, end: float, error: str | None) -> dict:
+    result = RequestResult(
+        client=index,
+        index=0,
+        ttft_s=progress.ttft_s,
+        inter_token_s=tuple(progress.gaps),
+        completion_tokens=progress.completion_tokens,
+        elapsed_s=end - progress.started,
+        error=error,
+        detail=None,
+    )
+    return asdict(result)
+
+
+# -- raw mlx-lm -----------------------------------------------------------------------------------
+
+
+def run_stream_generate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Each prompt through ``stream_generate``, one after another (it serves one stream)."""
+    from mlx_lm.generate import stream_generate
+
+    results = []
+    for index, tokens in enumerate(prompts):
+        progress = StreamProgress(started=time.perf_counter())
+        for response in stream_generate(engine.model, engine.tokenizer, tokens, max_tokens):
+            if response.finish_reason != "stop":  # the end-of-turn token is not text
+                progress.content_arrived()
+            progress.usage_tokens = progress.num_chunks
+        results.append(_result(index, progress, time.perf_counter(), None))
+    return results
+
+
+def run_batch_generator(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """All prompts inserted at once into a fresh ``BatchGenerator`` with mlx-trio's settings."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(
+        engine.model,
+        stop_tokens=[[t] for t in engine.tokenizer.eos_token_ids],
+        completion_batch_size=MAX_BATCH,
+        prefill_batch_size=PREFILL_BATCH,
+        prefill_step_size=PREFILL_CHUNK,
+    )
+    started = time.perf_counter()
+    progress = [StreamProgress(started=started) for _ in prompts]
+    ends = [started] * len(prompts)
+    uids = generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    index_of = {uid: i for i, uid in enumerate(uids)}
+    remaining = len(prompts)
+    while remaining:
+        for response in generator.next_generated():
+            i = index_of[response.uid]
+            if response.finish_reason != "stop":
+                progress[i].content_arrived()
+            if response.finish_reason is not None:
+                ends[i] = time.perf_counter()
+                progress[i].usage_tokens = progress[i].num_chunks
+                remaining -= 1
+    generator.close()
+    return [_result(i, p, ends[i], None) for i, p in enumerate(progress)]
+
+
+def raw_handler(system: str, engine: Engine) -> Handler:
+    run = run_stream_generate if system == "stream_generate" else run_batch_generator
+
+    async def handle(command: dict) -> dict:
+        if command["op"] != "run":
+            raise ValueError(f"{system} does not do {command['op']!r}")
+        max_tokens = command["max_tokens"]
+        first = command["prompt_offset"]
+        prompts = [
+            _tokens(engine, prompt(first + i), max_tokens) for i in range(command["clients"])
+        ]
+        started = time.perf_counter()
+        requests = run(engine, prompts, max_tokens)
+        return {"wall_s": time.perf_counter() - started, "requests": requests}
+
+    return handle
+
+
+# -- mlx-trio in-process --------------------------------------------------------------------------
+
+
+class WatchedEngine(ThreadedEngine):
+    """The real engine port, plus a hook on ``batch_remove`` and the duration of each step.
+
+    ``removals``: (rows in the batch before, after) for each ``batch_remove``.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.on_remove: Callable[[list[int]], None] | None = None
+        self.removals: list[tuple[int, int]] = []
+        self.step_s: list[float] = []
+
+    async def batch_step(self):  # type: ignore[override]
+        started = time.perf_counter()
+        events = await super().batch_step()
+        self.step_s.append(time.perf_counter() - started)
+        return events
+
+    async def batch_remove(self, rows: list[int]) -> None:
+        if self.on_remove is not None:
+            self.on_remove(rows)
+        before = self.num_rows
+        await super().batch_remove(rows)
+        self.removals.append((before, self.num_rows))
+
+
+async def _stream(rt: RuntimeHandle, index: int, text: str, max_tokens: int) -> dict:
+    """One session read to its outcome, measured like an HTTP stream."""
+    progress = StreamProgress(started=time.perf_counter())
+    error: str | None = None
+    try:
+        handle = await rt.submit(
+            GenerationRequest((ChatMessage("user", text),), _params(max_tokens))
+        )
+        async with handle:
+            async for event in handle:
+                match event:
+                    case TextDelta(text=delta) if delta:
+                        progress.content_arrived()
+                    case Completed(usage=usage):
+                        progress.usage_tokens = usage.completion_tokens
+                    case Cancelled(reason=reason):
+                        error = f"cancelled_{reason}"
+                    case Failed(code=code):
+                        error = f"failed_{code}"
+    except MlxTrioError as exc:
+        error = type(exc).__name__
+    return _result(index, progress, time.perf_counter(), error)
+
+
+async def run_runtime(rt: RuntimeHandle, first: int, clients: int, max_tokens: int) -> dict:
+    results: list[dict] = [{}] * clients
+    started = time.perf_counter()
+
+    async def one(i: int) -> None:
+        results[i] = await _stream(rt, i, prompt(first + i), max_tokens)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(clients):
+            nursery.start_soon(one, i)
+    return {"wall_s": time.perf_counter() - started, "requests": results}
+
+
+async def _probe_once(rt: RuntimeHandle, port: WatchedEngine, first: int, streams: int) -> dict:
+    """Start ``streams`` sessions; once all decode, cancel one at a random point of a step."""
+    decoding = [0] * streams
+    all_decoding = trio.Event()
+    handles: list[SessionHandle] = []
+
+    async def read(i: int, handle: SessionHandle) -> None:
+        async with handle:
+            async for event in handle:
+                if isinstance(event, TextDelta):
+                    decoding[i] += 1
+                    if min(decoding) >= PROBE_TOKENS_BEFORE_CANCEL:
+                        all_decoding.set()
+
+    removed: dict[str, float | int] = {}
+
+    def on_remove(rows: list[int]) -> None:
+        if not removed:
+            removed.update(steps=rt.runtime.batch_group.statistics().steps, at=time.perf_counter())
+
+    with trio.fail_after(PROBE_WAIT_S):
+        async with trio.open_nursery() as nursery:
+            for i in range(streams):
+                params = _params(PROBE_MAX_TOKENS)
+                request = GenerationRequest((ChatMessage("user", prompt(first + i)),), params)
+                handles.append(await rt.submit(request))
+                nursery.start_soon(read, i, handles[-1])
+            await all_decoding.wait()
+            port.step_s.clear()
+            port.removals.clear()
+            await trio.sleep(random.uniform(0, 0.2))  # land anywhere in a step
+            port.on_remove = on_remove
+            active_before = rt.statistics().active_rows
+            steps_at_cancel = rt.runtime.batch_group.statistics().steps
+            cancelled_at = time.perf_counter()
+            outcome = await handles[0].cancel()
+            while not port.removals:
+                await trio.sleep(0.001)
+            port.on_remove = None
+            num_rows_before, num_rows_after = port.removals[0]
+            step_s = list(port.step_s)
+            for handle in handles[1:]:
+                handle.cancel_nowait()
+    return {
+        "streams": streams,
+        "active_rows_at_cancel": active_before,
+        "outcome": type(outcome).__name__,
+        "steps_between": removed["steps"] - steps_at_cancel,
+        "freed_after_s": removed["at"] - cancelled_at,
+        "num_rows_before_remove": num_rows_before,
+        "num_rows_after_remove": num_rows_after,
+        "median_step_s": statistics.median(step_s) if step_s else None,
+    }
+
+
+def runtime_handler(rt: RuntimeHandle, port: WatchedEngine) -> Handler:
+    async def handle(command: dict) -> dict:
+        match command["op"]:
+            case "run":
+                return await run_runtime(
+                    rt, command["prompt_offset"], command["clients"], command["max_tokens"]
+                )
+            case "cancel_probe":
+                trials = []
+                first = command["prompt_offset"]
+                for t in range(command["trials"]):
+                    streams = command["streams"]
+                    trials.append(await _probe_once(rt, port, first + t * streams, streams))
+                    while rt.statistics().active_rows or rt.statistics().live_sessions:
+                        await trio.sleep(0.01)
+                return {"trials": trials}
+            case op:
+                raise ValueError(f"mlx-trio does not do {op!r}")
+
+    return handle
+
+
+# -- the command loop -----------------------------------------------------------------------------
+
+
+async def serve_commands(handle: Handler, answers: TextIO) -> None:
+    """Answer each command line on stdin until it closes."""
+    while line := await trio.to_thread.run_sync(sys.stdin.readline):
+        answer = await handle(json.loads(line))
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+async def main_async(system: str, answers: TextIO) -> None:
+    started = time.perf_counter()
+
+    def ready(engine: Engine) -> None:
+        load_s = time.perf_counter() - started
+        answers.write(
+            json.dumps({"ready": True, "model": engine.model_id, "load_s": load_s}) + "\n"
+        )
+        answers.flush()
+
+    warmup = {
+        "op": "run",
+        "clients": WARMUP_CLIENTS,
+        "max_tokens": WARMUP_MAX_TOKENS,
+        "prompt_offset": 0,
+    }
+    if system != "mlx-trio":
+        engine = Engine.load(None)
+        handle = raw_handler(system, engine)
+        await handle(warmup)
+        ready(engine)
+        await serve_commands(handle, answers)
+        return
+    with EngineThread() as thread:
+        port = await WatchedEngine.load(
+            thread, None, device="auto", max_batch=MAX_BATCH, prompt_cache_bytes=0
+        )
+        config = RuntimeConfig(max_batch=MAX_BATCH, max_live=2 * MAX_BATCH)
+        async with open_runtime(engine=port, config=config) as rt:
+            handle = runtime_handler(rt, port)
+            await handle(warmup)
+            ready(port.engine)
+            await serve_commands(handle, answers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("system", choices=SYSTEMS)
+    args = parser.parse_args()
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints go to stderr; stdout carries only answers
+    trio.run(main_async, args.system, answers)
+
+
+if __name__ == "__main__":
+    main()
