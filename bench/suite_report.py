@@ -279,8 +279,10 @@ def markdown(data: Mapping[str, Any]) -> str:
         f"mlx-lm {m['mlx_lm']}. Model: {s['model']}; greedy, {s['max_tokens']} new tokens per "
         f"stream, the same chat prompts for every system, max batch {s['max_batch']} (prefill "
         f"{s['prefill_batch']} prompts x {s['prefill_chunk']} tokens). mlx-lm stream_generate "
-        "runs at 1 stream only (it serves one stream at a time). Peak RSS: the system's process "
-        "during that run. Other CPU: the share of the machine other processes took meanwhile.",
+        "runs at 1 stream only (it serves one stream at a time). Both servers run with their "
+        "default prompt caches (which reuse the chat template's shared prefix); the in-process "
+        "systems have none. Peak RSS: the system's process during that run. Other CPU: the share "
+        "of the machine other processes took meanwhile.",
         "",
         "| streams | system | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
         "| errors | peak RSS MB | other CPU |",
