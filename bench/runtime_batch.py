@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
+from bench.http_load import prompt
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.api.inprocess import open_runtime
@@ -25,30 +26,12 @@ from mlx_trio.engine.prompt import ChatMessage
 from mlx_trio.engine.thread import EngineThread
 from mlx_trio.engine.threaded import ThreadedEngine
 
-TOPICS = [
-    "rivers",
-    "mountains",
-    "the moon",
-    "bicycles",
-    "coffee",
-    "libraries",
-    "volcanoes",
-    "owls",
-    "trains",
-    "gardens",
-    "the ocean",
-    "clocks",
-    "bread",
-    "snow",
-    "bridges",
-    "music",
-]
 PREFILL_BATCH = 8
 TICK_S = 0.005
 
 
 def prompts(n: int) -> list[str]:
-    return [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]} (#{i})." for i in range(n)]
+    return [prompt(i) for i in range(n)]
 
 
 def raw_batch_generator(
