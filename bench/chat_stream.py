@@ -40,6 +40,17 @@ class RequestResult:
     error: str | None = None
     detail: str | None = None
 
+    def to_json(self) -> dict[str, object]:
+        """The fields a results file keeps for each request (not the per-token gaps)."""
+        return {
+            "client": self.client,
+            "ttft_s": self.ttft_s,
+            "completion_tokens": self.completion_tokens,
+            "elapsed_s": self.elapsed_s,
+            "error": self.error,
+            "detail": self.detail,
+        }
+
     @property
     def is_ok(self) -> bool:
         return self.error is None

@@ -26,7 +26,7 @@ import httpx
 import trio
 
 from bench import cpu_share
-from bench.http_load import LoadResult, RequestResult, run_load
+from bench.http_load import LoadResult, run_load
 from bench.server_process import free_loopback_port, open_server
 from bench.systems import (
     MAX_BATCH,
@@ -252,16 +252,6 @@ def format_ratio(row: dict[str, float | int | None]) -> str:
 def to_json(runs: Sequence[SystemRun], *, max_tokens: int, client_levels: Sequence[int]) -> dict:
     """All results: per system and level, the summary and each request's outcome."""
 
-    def request_row(r: RequestResult) -> dict:
-        return {
-            "client": r.client,
-            "ttft_s": r.ttft_s,
-            "completion_tokens": r.completion_tokens,
-            "elapsed_s": r.elapsed_s,
-            "error": r.error,
-            "detail": r.detail,
-        }
-
     return {
         "max_tokens": max_tokens,
         "clients": list(client_levels),
@@ -279,7 +269,7 @@ def to_json(runs: Sequence[SystemRun], *, max_tokens: int, client_levels: Sequen
                     {
                         **lv.result.summary(),
                         "other_cpu_share": lv.other_cpu_share,
-                        "requests": [request_row(q) for q in lv.result.requests],
+                        "requests": [q.to_json() for q in lv.result.requests],
                     }
                     for lv in run.levels
                 ],

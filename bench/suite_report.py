@@ -106,17 +106,7 @@ def _level_row(m: Measurement) -> dict[str, Any]:
         **m.result.summary(),
         "other_cpu_share": m.other_cpu_share,
         "peak_rss_mb": None if m.peak_rss_bytes is None else m.peak_rss_bytes / MB,
-        "requests": [
-            {
-                "client": r.client,
-                "ttft_s": r.ttft_s,
-                "completion_tokens": r.completion_tokens,
-                "elapsed_s": r.elapsed_s,
-                "error": r.error,
-                "detail": r.detail,
-            }
-            for r in m.result.requests
-        ],
+        "requests": [r.to_json() for r in m.result.requests],
     }
 
 
