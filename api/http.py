@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import trio
@@ -44,7 +44,12 @@ from mlx_trio.api import openai_format as fmt
 from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle
 from mlx_trio.api.metrics import Metrics
 from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
-from mlx_trio.engine.errors import InvalidRequestError, OverloadedError, RuntimeClosedError
+from mlx_trio.engine.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    RuntimeClosedError,
+    RuntimeRefusal,
+)
 from mlx_trio.engine.outputs import TokenLogprob
 
 logger = logging.getLogger("mlx_trio.http")
@@ -254,9 +259,8 @@ class Api:
             ]
             handles = await submit_all(rt, generations)
         except (InvalidRequestError, OverloadedError, RuntimeClosedError) as exc:
-            reason = "overloaded" if isinstance(exc, OverloadedError) else None
-            if reason or isinstance(exc, RuntimeClosedError):
-                self.state.metrics.refusals.labels(reason or "shutting_down").inc()
+            if isinstance(exc, RuntimeRefusal):  # labelled "overloaded" or "shutting_down"
+                self.state.metrics.refusals.labels(exc.code).inc()
             raise _refusal(exc) from None
         exchange = Exchange(request_id, kind, body.model, handles, rt.runtime.engine.token_text)
         headers = {"X-Request-Id": request_id}
@@ -411,8 +415,6 @@ class Api:
         stats = self.state.statistics()
         if stats is None:
             raise HttpError(503, "the model is loading", type="server_error", code="loading")
-        from dataclasses import asdict
-
         return JSONResponse(asdict(stats))
 
     async def cancel(self, request: Request) -> Response:
