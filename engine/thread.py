@@ -3,12 +3,19 @@
 mlx-lm's generation stream is thread-local, and ``trio.to_thread.run_sync`` may pick any cached
 thread, so every call that touches MLX goes through one :class:`EngineThread`. MLX releases the
 GIL while it evaluates, so the Trio event loop keeps running during a step (design/002).
+
+The two threads share the GIL. Python's default switch interval (5 ms) lets the event loop keep
+the GIL for up to 5 ms each time the engine thread comes back from an MLX call that released it,
+and a step makes many such calls: a GPU step of 256 rows took three times as long as mlx-lm's
+own while the event loop was busy. While an engine thread runs, the interval is
+``SWITCH_INTERVAL_S`` (design/008).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +27,8 @@ import trio
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +43,21 @@ class EngineThread:
     Jobs run one at a time, in submission order. A job cannot be interrupted once it runs.
     """
 
-    def __init__(self, name: str = "mlx-trio-engine") -> None:
+    def __init__(
+        self, name: str = "mlx-trio-engine", *, switch_interval_s: float | None = SWITCH_INTERVAL_S
+    ) -> None:
+        """``switch_interval_s``: the GIL switch interval while the thread runs (None: leave
+        Python's setting alone)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
+        self._switch_interval_s = switch_interval_s
+        self._previous_interval_s: float | None = None
 
     def __enter__(self) -> EngineThread:
+        if self._switch_interval_s is not None:
+            self._previous_interval_s = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval_s, self._previous_interval_s))
         self._thread.start()
         return self
 
@@ -58,6 +76,8 @@ class EngineThread:
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join()
+        if self._previous_interval_s is not None:
+            sys.setswitchinterval(self._previous_interval_s)
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
