@@ -148,7 +148,8 @@ class FaultyEngine:
             self._prefilling.add(row)
         return row
 
-    async def batch_step(self) -> list[RowEvent]:
+    async def batch_step(self, steps: int = 1) -> list[RowEvent]:
+        """A step fault's ``at_step`` counts calls (each may run several steps)."""
         self.num_batch_steps += 1
         step = self.num_batch_steps
         live = [self._rows.get(row) for row in self._rows]
@@ -167,7 +168,7 @@ class FaultyEngine:
                 case "step_error" | "prefill_error":
                     raise InjectedStepError(f"injected {fault.kind} at batch step {step}")
             break
-        events = await self._row_faults_in(await self.inner.batch_step(), serial=False)
+        events = await self._row_faults_in(await self.inner.batch_step(steps), serial=False)
         for event in events:
             if isinstance(event, RowOutput):
                 self._prefilling.discard(event.row)
@@ -187,11 +188,12 @@ class FaultyEngine:
             number = self._serial_request if serial else self._rows.get(event.row)
             fault = self._row_faults.get(number) if number is not None else None
             if isinstance(event, RowOutput) and fault is not None and fault.kind == "sampler_error":
+                tokens = max(1, len(event.delta.token_ids))
                 if serial:
-                    self._serial_generated += 1
+                    self._serial_generated += tokens
                     generated = self._serial_generated
                 else:
-                    generated = self._generated.get(event.row, 0) + 1
+                    generated = self._generated.get(event.row, 0) + tokens
                     self._generated[event.row] = generated
                 if generated > fault.at_token and event.stats is None:
                     self._record("sampler_error", None, [number])

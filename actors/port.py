@@ -58,8 +58,9 @@ class EnginePort(Protocol):
         """Queue a row for the batch; returns its row id."""
         ...
 
-    async def batch_step(self) -> list[RowEvent]:
-        """One decode step for generating rows plus one prefill chunk for the others."""
+    async def batch_step(self, steps: int = 1) -> list[RowEvent]:
+        """``steps`` times: one decode step for generating rows plus one prefill chunk for the
+        others. Each row's tokens of those steps come as one ``RowOutput``."""
         ...
 
     async def batch_remove(self, rows: list[int]) -> None: ...

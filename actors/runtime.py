@@ -56,7 +56,9 @@ class RuntimeConfig:
     before the session is cancelled ``consumer_idle``. ``step_timeout_s``: the step watchdog.
     ``unhealthy_after_faults``: consecutive step faults that make ``is_healthy`` false.
     ``admission_window_s``: how long an empty batch waits for more arrivals before its first
-    step, so a burst is prefilled together.
+    step, so a burst is prefilled together. ``steps_per_call``: batch steps per engine call
+    (tokens per row per event); None picks it per call, 1 unless many rows make the event
+    loop's per-row work a noticeable share of a fast step (see ``BatchGroup``).
     """
 
     max_batch: int = 8
@@ -69,6 +71,7 @@ class RuntimeConfig:
     retry_after_s: float = 1.0
     unhealthy_after_faults: int = 3
     admission_window_s: float = 0.005
+    steps_per_call: int | None = None
 
     @property
     def live_limit(self) -> int:
@@ -119,6 +122,7 @@ class Runtime:
             step_timeout_s=config.step_timeout_s,
             inbox_size=inbox_size,
             admission_window_s=config.admission_window_s,
+            steps_per_call=config.steps_per_call,
         )
         self.serial = SerialExecutor(
             engine, self.arbiter.inbox, step_timeout_s=config.step_timeout_s

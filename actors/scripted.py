@@ -27,6 +27,7 @@ from mlx_trio.engine.outputs import (
     RowOutput,
     RowProgress,
     TokenLogprob,
+    merge_steps,
 )
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt, check_fits, check_messages
@@ -102,6 +103,7 @@ class ScriptedEngine:
         self._next_row = 0
         self._in_call = False
         self.num_batch_steps = 0
+        self.num_batch_calls = 0
         self.num_serial_steps = 0
         self.max_active_rows = 0
         self.call_log: list[str] = []
@@ -205,31 +207,35 @@ class ScriptedEngine:
         finally:
             self._leave()
 
-    async def batch_step(self) -> list[RowEvent]:
+    async def batch_step(self, steps: int = 1) -> list[RowEvent]:
         await self._enter("batch_step", "batch")
         try:
-            self.num_batch_steps += 1
-            n = self.num_batch_steps
-            active = {k: r for k, r in self._rows.items() if not r.parked}
-            self.max_active_rows = max(self.max_active_rows, len(active))
-            if n in self.script.hang_batch_steps:
-                await trio.sleep_forever()
-            await trio.sleep(self.script.slow_steps.get(n, self.script.step_s))
-            if n in self.script.fail_batch_steps:
-                raise InjectedFault(f"injected failure of batch step {n}")
-            events: list[RowEvent] = []
-            for row_id, row in active.items():
-                if row.prefilled < row.prompt_len:
-                    row.prefilled = min(row.prompt_len, row.prefilled + self.script.prefill_chunk)
-                    events.append(RowProgress(row_id, row.prefilled, row.prompt_len))
-                    continue
-                event = self._emit(row_id, row)
-                events.append(event)
-                if _ends(event):
-                    del self._rows[row_id]
-            return events
+            self.num_batch_calls += 1
+            return merge_steps([await self._one_step() for _ in range(steps)])
         finally:
             self._leave()
+
+    async def _one_step(self) -> list[RowEvent]:
+        self.num_batch_steps += 1
+        n = self.num_batch_steps
+        active = {k: r for k, r in self._rows.items() if not r.parked}
+        self.max_active_rows = max(self.max_active_rows, len(active))
+        if n in self.script.hang_batch_steps:
+            await trio.sleep_forever()
+        await trio.sleep(self.script.slow_steps.get(n, self.script.step_s))
+        if n in self.script.fail_batch_steps:
+            raise InjectedFault(f"injected failure of batch step {n}")
+        events: list[RowEvent] = []
+        for row_id, row in active.items():
+            if row.prefilled < row.prompt_len:
+                row.prefilled = min(row.prompt_len, row.prefilled + self.script.prefill_chunk)
+                events.append(RowProgress(row_id, row.prefilled, row.prompt_len))
+                continue
+            event = self._emit(row_id, row)
+            events.append(event)
+            if _ends(event):
+                del self._rows[row_id]
+        return events
 
     async def batch_remove(self, rows: list[int]) -> None:
         await self._enter("batch_remove", "batch")

@@ -151,7 +151,9 @@ class Session:
                         self._first_token_at = now
                     self._last_token_at = now
                     self._num_generated = (
-                        stats.generated_tokens if stats else self._num_generated + 1
+                        stats.generated_tokens
+                        if stats
+                        else self._num_generated + len(delta.token_ids)
                     )
                     if delta.text or delta.token_ids:
                         await self._publish(TextDelta(delta.text, delta.token_ids, delta.logprobs))

@@ -7,6 +7,8 @@ bfloat16 and 4-bit (``mlx.nn.quantize``, group 64). For each, after the runtime'
 - ``raw generate_step``: mlx-lm's single-stream loop (1 stream only);
 - ``raw BatchGenerator``: mlx-lm's continuous batching, all streams inserted at once;
 - ``mlx-trio in-process``: concurrent sessions through ``open_runtime`` (batch lane);
+- ``in-process, 1 step a call``: the same with ``steps_per_call=1``, the runtime as it was
+  before it took several steps a call for large fast batches (the ablation);
 - ``mlx-trio serial``: one ``reproducible`` session, mlx-lm's ``generate_step`` under the
   runtime (1 stream only);
 - ``mlx-trio HTTP``: ``api.server.serve`` in this process, streaming clients in a separate
@@ -37,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,10 +69,12 @@ SYSTEMS = (
     "raw generate_step",
     "raw BatchGenerator",
     "mlx-trio in-process",
+    "in-process, 1 step a call",
     "mlx-trio serial",
     "mlx-trio HTTP",
 )
 SINGLE_ONLY = {"raw generate_step", "mlx-trio serial"}
+ONE_STEP = "in-process, 1 step a call"
 
 
 # -- the model, the tokenizer, the prompts ----------------------------------------------------
@@ -190,14 +194,14 @@ class TokenIdPort:
     """The runtime's engine port, with ``prepare`` replaced by :func:`prompt_ids`.
 
     Everything else is the real ``ThreadedEngine``: the runtime cannot tell the difference. It
-    also times each ``batch_step`` (engine thread hop and step) and the gaps between steps
-    (the event loop's share), for :meth:`take_step_times`.
+    also times each ``batch_step`` call (engine thread hop and steps) and the gaps between
+    calls (the event loop's share), for :meth:`take_step_times`.
     """
 
     def __init__(self, inner: ThreadedEngine, prompt_tokens: int) -> None:
         self._inner = inner
         self._prompt_tokens = prompt_tokens
-        self._steps: list[float] = []
+        self._calls: list[tuple[int, float]] = []  # (steps, seconds) of each batch_step call
         self._gaps: list[float] = []
         self._last_end: float | None = None
 
@@ -216,23 +220,26 @@ class TokenIdPort:
         text = prompt if isinstance(prompt, str) else prompt[-1].content
         return PreparedRequest(prompt_ids(text, self._prompt_tokens), params)
 
-    async def batch_step(self) -> Any:
+    async def batch_step(self, steps: int = 1) -> Any:
         start = time.perf_counter()
         if self._last_end is not None:
             self._gaps.append(start - self._last_end)
-        events = await self._inner.batch_step()
+        events = await self._inner.batch_step(steps)
         self._last_end = time.perf_counter()
-        self._steps.append(self._last_end - start)
+        self._calls.append((steps, self._last_end - start))
         return events
 
     def take_step_times(self) -> dict[str, float]:
-        """Steps since the last call: count, mean step call and mean gap between steps (s)."""
-        steps, gaps = self._steps, self._gaps
-        self._steps, self._gaps, self._last_end = [], [], None
+        """Calls since the last take: engine calls, steps, mean time a step (engine thread hop
+        included) and mean gap between calls (the event loop's share), in seconds."""
+        calls, gaps = self._calls, self._gaps
+        self._calls, self._gaps, self._last_end = [], [], None
+        steps = sum(n for n, _ in calls)
         return {
-            "steps": len(steps),
-            "step_call_s": statistics.mean(steps) if steps else 0.0,
-            "between_steps_s": statistics.mean(gaps) if gaps else 0.0,
+            "calls": len(calls),
+            "steps": steps,
+            "step_s": sum(t for _, t in calls) / steps if steps else 0.0,
+            "between_calls_s": statistics.mean(gaps) if gaps else 0.0,
         }
 
 
@@ -302,13 +309,19 @@ class Bench:
     """One model's systems, each run as a wave of ``concurrency`` streams."""
 
     def __init__(
-        self, port: TokenIdPort, engine: Engine, args: argparse.Namespace, rt: Any, url: str
+        self,
+        port: TokenIdPort,
+        engine: Engine,
+        args: argparse.Namespace,
+        runtimes: tuple[Any, Any],
+        url: str,
     ) -> None:
+        """``runtimes``: in-process runtimes with automatic and with one step a call."""
         self.port = port
         self.engine = engine
         self.args = args
         self.max_batch = max(args.concurrency)
-        self.rt = rt
+        self.rt, self.rt_one_step = runtimes
         self.http_url = url
 
     def texts(self, concurrency: int) -> list[str]:
@@ -334,9 +347,10 @@ class Bench:
             )
             seconds = time.perf_counter() - start
             return Wave(tokens, seconds, extra={"steps": steps, "step_s": seconds / steps})
-        if system in ("mlx-trio in-process", "mlx-trio serial"):
+        if system in ("mlx-trio in-process", ONE_STEP, "mlx-trio serial"):
             self.port.take_step_times()
-            wave = await self._inprocess(texts, reproducible=system == "mlx-trio serial")
+            rt = self.rt_one_step if system == ONE_STEP else self.rt
+            wave = await self._inprocess(rt, texts, reproducible=system == "mlx-trio serial")
             if system == "mlx-trio serial":
                 return wave
             return Wave(wave.tokens, wave.seconds, wave.errors, self.port.take_step_times())
@@ -349,7 +363,7 @@ class Bench:
         tokens = await call
         return Wave(tokens, time.perf_counter() - start)
 
-    async def _inprocess(self, texts: list[str], *, reproducible: bool) -> Wave:
+    async def _inprocess(self, rt: Any, texts: list[str], *, reproducible: bool) -> Wave:
         params = SamplingParams(temperature=0.0, max_tokens=self.args.max_tokens)
         counts: list[int] = []
         errors = 0
@@ -357,7 +371,7 @@ class Bench:
         async def one(text: str) -> None:
             nonlocal errors
             request = GenerationRequest(text, params, reproducible=reproducible)
-            collected = await self.rt.collect(request)
+            collected = await rt.collect(request)
             if isinstance(collected.outcome, Completed):
                 counts.append(collected.outcome.usage.completion_tokens)
             else:
@@ -601,13 +615,16 @@ async def bench_model(
         config = runtime_config(max_batch)
         options = ServeOptions(port=0, handle_signals=False, runtime=config)
         shutdown = trio.Event()
+        # Both in-process runtimes drive ports[0]; the waves run one at a time.
+        one_step = replace(config, steps_per_call=1)
         async with (
             open_runtime(engine=ports[0], config=config) as rt,
+            open_runtime(engine=ports[0], config=one_step) as rt_one_step,
             trio.open_nursery() as nursery,
         ):
             url = await nursery.start(partial(serve, options, engine=ports[1], shutdown=shutdown))
             await wait_healthy(url)
-            bench = Bench(ports[0], engine, args, rt, url)
+            bench = Bench(ports[0], engine, args, (rt, rt_one_step), url)
             # An untimed pass first: the raw systems meet every shape (the runtime runs the
             # same shapes), all systems at low concurrency (their own code paths).
             for concurrency in args.concurrency:
@@ -630,34 +647,10 @@ async def bench_model(
                             save()
                 durations.append(time.perf_counter() - started)
             entry["rounds"] = len(durations)
-            if args.switch_interval_ms and name == args.models[0]:
-                entry["switch_interval"] = await switch_interval_experiment(bench, args)
-                save()
             shutdown.set()
         prompt = prompt_ids(prompt_text(0), args.prompt_tokens)
         entry["anatomy"] = await thread.run(anatomy, engine, prompt, 64)
         save()
-
-
-async def switch_interval_experiment(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
-    """In-process waves with a shorter GIL switch interval: how much of the runtime's overhead
-    is the engine thread waiting for the GIL while the event loop fans events out."""
-    default = sys.getswitchinterval()
-    result: dict[str, Any] = {"interval_s": args.switch_interval_ms / 1000, "default_s": default}
-    sys.setswitchinterval(args.switch_interval_ms / 1000)
-    try:
-        for concurrency in (c for c in args.concurrency if c >= 32):
-            wave = await bench.run("mlx-trio in-process", concurrency)
-            result[str(concurrency)] = {"tok_s": wave.tokens_per_s, **(wave.extra or {})}
-            logger.info(
-                "switch interval %.1f ms: in-process x%d %.1f tok/s",
-                args.switch_interval_ms,
-                concurrency,
-                wave.tokens_per_s,
-            )
-    finally:
-        sys.setswitchinterval(default)
-    return result
 
 
 async def wait_healthy(url: str) -> None:
@@ -753,6 +746,7 @@ def summarize(doc: dict) -> dict:
             raw = row["raw BatchGenerator"]
             row["in-process / raw BatchGenerator"] = ratio(row["mlx-trio in-process"], raw)
             row["HTTP / raw BatchGenerator"] = ratio(row["mlx-trio HTTP"], raw)
+            row["1 step a call / raw BatchGenerator"] = ratio(row[ONE_STEP], raw)
             if concurrency == 1:
                 single = row["raw generate_step"]
                 row["in-process / raw generate_step"] = ratio(row["mlx-trio in-process"], single)
@@ -819,7 +813,7 @@ def plot(doc: dict, png: Path) -> None:
     summary = summarize(doc)
     fig, axes = plt.subplots(1, len(summary), figsize=(6.5 * len(summary), 4.8), squeeze=False)
     for ax, (name, model) in zip(axes[0], summary.items(), strict=True):
-        for system, marker in zip(SYSTEMS, "osD^v", strict=True):
+        for system, marker in zip(SYSTEMS, "osDx^v", strict=True):
             points = [(r["streams"], r[system]) for r in model["rows"] if r[system] is not None]
             if points:
                 xs, ys = zip(*points, strict=True)
@@ -863,9 +857,6 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--single-repeats", type=int, default=3, help="1-stream waves a round")
-    parser.add_argument(
-        "--switch-interval-ms", type=float, default=0.5, help="0: skip that experiment"
-    )
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop adding rounds after")
     parser.add_argument("--out", default=str(RESULTS / "gpu.json"))
     parser.add_argument("--png", default=None, help="default: the JSON's path with .png")

@@ -165,9 +165,9 @@ class WatchedEngine(ThreadedEngine):
         self.removals: list[tuple[int, int]] = []
         self.step_s: list[float] = []
 
-    async def batch_step(self):  # type: ignore[override]
+    async def batch_step(self, steps: int = 1):  # type: ignore[override]
         started = time.perf_counter()
-        events = await super().batch_step()
+        events = await super().batch_step(steps)
         self.step_s.append(time.perf_counter() - started)
         return events
 

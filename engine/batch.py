@@ -8,20 +8,27 @@ sampler and logits processors, and the same :class:`RowDecoder` as the single-re
 
 Row ids are this class's own and stay the same across park and resume (mlx-lm gives a resumed
 row a new uid).
+
+A lone generating row leaves the ``BatchGenerator`` and is stepped by mlx-lm's ``generate_step``
+instead, which runs one row faster (on an H200, 263 against 151 tok/s): the row goes "solo" with
+its KV cache, the same way a parked row leaves, and goes back into the batch as a resumed row as
+soon as another row arrives. Rows with logits processors stay in the batch (``generate_step``
+would see only the tokens since the switch).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
+from mlx_lm.sample_utils import greedy_sampler
 
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.outputs import RowEvent, RowFailed, RowOutput, RowProgress
+from mlx_trio.engine.outputs import RowEvent, RowFailed, RowOutput, RowProgress, merge_steps
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.row import RowDecoder
 from mlx_trio.engine.sampling import LogitsProcessor, Sampler, make_row_processors, make_row_sampler
@@ -38,7 +45,19 @@ class _Row:
     processors: list[LogitsProcessor]
     stops: StopSequences
     uid: int | None = None
-    parked: tuple[list[Any], list[int]] | None = None  # (KV caches, tokens in them)
+    decoding: bool = False  # in mlx-lm's generation batch (not prefilling)
+    parked: tuple[list[Any], list[int]] | None = None  # KV caches, tokens (last one not in them)
+
+
+@dataclass(slots=True)
+class _Solo:
+    """The lone generating row, stepped by ``generate_step``; its caches hold a prefix of
+    ``tokens`` (every token of the row so far)."""
+
+    row_id: int
+    steps: Generator[tuple[int, mx.array], None, None]
+    caches: list[Any]
+    tokens: list[int]
 
 
 class BatchEngine:
@@ -52,9 +71,10 @@ class BatchEngine:
         prefill_batch: int = 8,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         sampler_factory: Callable[[SamplingParams], Sampler | None] = make_row_sampler,
+        solo: bool = True,
     ) -> None:
         """``sampler_factory`` builds each row's sampler (None: greedy); it is the seam for
-        injecting a failing sampler."""
+        injecting a failing sampler. ``solo``: step a lone row with ``generate_step``."""
         self._engine = engine
         self._sampler_factory = sampler_factory
         self._generator = BatchGenerator(
@@ -67,6 +87,8 @@ class BatchEngine:
         self._row_of_uid: dict[int, int] = {}
         self._sampler_faults: dict[int, str] = {}
         self._next_row = 0
+        self._solo_enabled = solo
+        self._solo: _Solo | None = None
         self.max_batch = max_batch
 
     @property
@@ -76,17 +98,24 @@ class BatchEngine:
 
     @property
     def num_active(self) -> int:
-        """Rows in mlx-lm's batch (not parked)."""
-        return len(self._row_of_uid)
+        """Rows being stepped (not parked)."""
+        return len(self._row_of_uid) + (self._solo is not None)
+
+    @property
+    def solo_row(self) -> int | None:
+        """The row stepped by ``generate_step``, if one is."""
+        return self._solo.row_id if self._solo is not None else None
 
     @property
     def kv_bytes(self) -> int:
         """Bytes held by the KV caches of every row, parked ones included."""
         parked = sum(c.nbytes for row in self._rows.values() if row.parked for c in row.parked[0])
-        return self._generator.prompt_cache_nbytes + parked
+        solo = sum(c.nbytes for c in self._solo.caches) if self._solo is not None else 0
+        return self._generator.prompt_cache_nbytes + parked + solo
 
     def add(self, request: PreparedRequest) -> int:
         """Queue a row; it starts prefilling at the next step. Returns its row id."""
+        self._end_solo()
         params = request.params
         decoder = RowDecoder(
             self._engine.tokenizer, params, num_prompt_tokens=len(request.prompt_tokens)
@@ -131,6 +160,7 @@ class BatchEngine:
             stop_sequences=[row.stops],
         )
         row.uid = uid
+        row.decoding = False
         self._row_of_uid[uid] = row_id
 
     def _guard(self, row_id: int, sampler: Sampler) -> Sampler:
@@ -151,6 +181,11 @@ class BatchEngine:
         after giving the prompt cache what they had prefilled (a retry resumes from there)."""
         uids = []
         for row_id in rows:
+            if row_id == self.solo_row:
+                caches, tokens = self._drop_solo()
+                self._commit(tokens[:-1], caches)
+                del self._rows[row_id]
+                continue
             row = self._rows.pop(row_id, None)
             if row is None:
                 continue
@@ -176,9 +211,10 @@ class BatchEngine:
             self._engine.prompt_cache.put(tokens, caches)
 
     def can_park(self, row_id: int) -> bool:
-        """Whether a row is generating (it has produced a token) and not parked."""
+        """Whether a row is decoding (in mlx-lm's generation batch, or solo): not prefilling,
+        not parked."""
         row = self._rows.get(row_id)
-        return row is not None and row.uid is not None and row.decoder.num_generated > 0
+        return row is not None and (row.decoding or row_id == self.solo_row)
 
     def park(self, row_id: int) -> None:
         """Take a generating row out of the batch, keeping its KV cache for :meth:`resume`.
@@ -187,6 +223,11 @@ class BatchEngine:
         is trimmed by one and that token is fed again on resume: greedy output is unchanged.
         """
         assert self.can_park(row_id), "only a generating row can be parked"
+        solo = row_id == self.solo_row
+        self._rows[row_id].parked = self._drop_solo() if solo else self._take_out(row_id)
+
+    def _take_out(self, row_id: int) -> tuple[list[Any], list[int]]:
+        """Take a generating row out of mlx-lm's batch: its caches and tokens, parked-style."""
         row = self._rows[row_id]
         assert row.uid is not None
         caches, tokens = self._generator.extract_cache([row.uid])[row.uid]
@@ -195,7 +236,58 @@ class BatchEngine:
         self._generator.remove([row.uid])
         del self._row_of_uid[row.uid]
         row.uid = None
-        row.parked = (caches, list(tokens))
+        row.decoding = False
+        return caches, list(tokens)
+
+    # -- a lone row ---------------------------------------------------------------------------
+
+    def _start_solo(self) -> None:
+        """Go solo if exactly one row is left, generating, with no logits processors."""
+        if not self._solo_enabled or self._solo is not None or len(self._rows) != 1:
+            return
+        ((row_id, row),) = self._rows.items()
+        if not row.decoding or row.processors:
+            return
+        caches, tokens = self._take_out(row_id)
+        steps = generate_step(
+            mx.array(tokens[-1:]),
+            self._engine.model,
+            max_tokens=row.decoder.params.max_tokens - row.decoder.num_generated,
+            sampler=row.sampler or greedy_sampler,
+            prompt_cache=caches,
+        )
+        self._solo = _Solo(row_id, steps, caches, tokens)
+
+    def _drop_solo(self) -> tuple[list[Any], list[int]]:
+        """Stop stepping the solo row: its caches and tokens, parked-style."""
+        solo, self._solo = self._solo, None
+        assert solo is not None
+        solo.steps.close()
+        keep = len(solo.tokens) - 1  # the last token is fed again, as on resume
+        for cache in solo.caches:
+            cache.trim(cache.offset - keep)
+        return solo.caches, solo.tokens
+
+    def _end_solo(self) -> None:
+        """Put the solo row, if any, back into the batch as a resumed row."""
+        if self._solo is None:
+            return
+        row_id = self._solo.row_id
+        self._rows[row_id].parked = self._drop_solo()
+        self.resume(row_id)
+
+    def _solo_step(self, solo: _Solo) -> list[RowEvent]:
+        token, logprobs = next(solo.steps)
+        solo.tokens.append(token)
+        row = self._rows[solo.row_id]
+        delta = row.decoder.feed(token, logprobs)
+        if delta.finish_reason is None:
+            return [RowOutput(row=solo.row_id, delta=delta)]
+        self._solo = None
+        solo.steps.close()
+        del self._rows[solo.row_id]
+        self._commit(solo.tokens[: solo.caches[0].offset], solo.caches)
+        return [RowOutput(row=solo.row_id, delta=delta, stats=row.decoder.stats())]
 
     def resume(self, row_id: int) -> None:
         """Put a parked row back into the batch; it continues where it stopped."""
@@ -206,12 +298,26 @@ class BatchEngine:
         remaining = row.decoder.params.max_tokens - row.decoder.num_generated
         self._insert(row_id, row, [tokens[-1]], remaining, caches, tokens[:-1])
 
-    def step(self) -> list[RowEvent]:
-        """Run one batch step; return each row's progress or delta.
+    def step(self, steps: int = 1) -> list[RowEvent]:
+        """Run ``steps`` batch steps (fewer once no row is left); return each row's progress
+        and one delta with the tokens of every step (:func:`merge_steps`).
 
         If this raises, the generator's state is undefined: the caller fails the rows it
         holds and builds a new :class:`BatchEngine`.
         """
+        if steps == 1:
+            return self._step()
+        merged = []
+        for _ in range(steps):
+            if not self.num_active:
+                break
+            merged.append(self._step())
+        return merge_steps(merged)
+
+    def _step(self) -> list[RowEvent]:
+        self._start_solo()
+        if self._solo is not None:
+            return self._checked(self._solo_step(self._solo))
         if not self._row_of_uid:
             return []
         prompt_responses, generation_responses = self._generator.next()
@@ -225,7 +331,9 @@ class BatchEngine:
             row_id = self._row_of_uid.get(response.uid)
             if row_id is None:
                 continue
-            decoder = self._rows[row_id].decoder
+            row = self._rows[row_id]
+            row.decoding = True
+            decoder = row.decoder
             delta = decoder.feed(response.token, response.logprobs)
             assert response.finish_reason is None or delta.finish_reason is not None, (
                 "mlx-lm finished a row that its decoder did not"
@@ -241,6 +349,10 @@ class BatchEngine:
             else:  # mlx-lm dropped the row itself and handed back its cache
                 self._commit(list(response.all_tokens or []), response.prompt_cache)
         self._remove_uids(finished_here)
+        return self._checked(events)
+
+    def _checked(self, events: list[RowEvent]) -> list[RowEvent]:
+        """``events`` with the rows whose sampler failed in this step dropped and failed."""
         if self._sampler_faults:
             faults, self._sampler_faults = self._sampler_faults, {}
             failed = [row for row in faults if row in self._rows]
@@ -252,6 +364,9 @@ class BatchEngine:
 
     def close(self) -> None:
         """Release every row and the generator."""
+        if self._solo is not None:
+            self._solo.steps.close()
+            self._solo = None
         self._rows.clear()
         self._row_of_uid.clear()
         self._generator.close()

@@ -163,8 +163,8 @@ class ThreadedEngine:
     async def batch_add(self, request: PreparedRequest) -> int:
         return await self._batch_call(lambda batch: batch.add(request))
 
-    async def batch_step(self) -> list[RowEvent]:
-        return await self._batch_call(lambda batch: batch.step())
+    async def batch_step(self, steps: int = 1) -> list[RowEvent]:
+        return await self._batch_call(lambda batch: batch.step(steps))
 
     async def batch_remove(self, rows: list[int]) -> None:
         await self._batch_call(lambda batch: batch.remove(rows))

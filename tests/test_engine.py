@@ -225,3 +225,85 @@ def test_a_failing_sampler_fails_only_its_own_row(tiny_engine):
         (doomed, "sampler failed: RuntimeError: boom")
     ]
     assert [got[row] for row in rows] == expected
+
+
+def test_several_steps_a_call_give_each_row_its_tokens_in_one_event(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=9, logprobs=True, top_logprobs=2)
+    expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS[:3]]
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    rows = [batch.add(tiny_engine.prepare(p, params)) for p in PROMPTS[:3]]
+    got: dict[int, list[int]] = {row: [] for row in rows}
+    finals = {}
+    while batch.num_rows:
+        events = batch.step(4)
+        outputs = [e for e in events if isinstance(e, RowOutput)]
+        assert len({e.row for e in outputs}) == len(outputs), "one output per row a call"
+        for event in outputs:
+            assert len(event.delta.logprobs) == len(event.delta.token_ids)
+            got[event.row].extend(event.delta.token_ids)
+            if event.stats is not None:
+                finals[event.row] = event
+    assert [got[row] for row in rows] == expected
+    assert all(
+        f.stats.generated_tokens == 9 and f.delta.finish_reason == "length" for f in finals.values()
+    )
+    assert batch.kv_bytes == 0
+
+
+def test_a_lone_row_goes_solo_and_rejoins_the_batch_when_another_arrives(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=16)
+    expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS[:2]]
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    first = batch.add(tiny_engine.prepare(PROMPTS[0], params))
+    got: dict[int, list[int]] = {first: []}
+    second = None
+    steps = 0
+    while batch.num_rows:
+        steps += 1
+        if steps == 6:
+            assert batch.solo_row == first and batch.num_active == 1 and batch.kv_bytes > 0
+            second = batch.add(tiny_engine.prepare(PROMPTS[1], params))
+            got[second] = []
+            assert batch.solo_row is None
+        for event in batch.step():
+            if isinstance(event, RowOutput):
+                got[event.row].extend(event.delta.token_ids)
+    assert [got[first], got[second]] == expected
+    assert batch.kv_bytes == 0
+
+
+def test_a_solo_row_parks_resumes_and_is_removed_like_any_other(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected = solo_tokens(tiny_engine, PROMPTS[0], params)
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    row = batch.add(tiny_engine.prepare(PROMPTS[0], params))
+    got: list[int] = []
+    steps = 0
+    while batch.num_rows:
+        steps += 1
+        if steps == 5:
+            assert batch.solo_row == row and batch.can_park(row)
+            batch.park(row)
+            assert batch.solo_row is None and batch.num_active == 0 and batch.kv_bytes > 0
+            assert batch.step() == []
+            batch.resume(row)
+        for event in batch.step():
+            if isinstance(event, RowOutput):
+                got.extend(event.delta.token_ids)
+    assert got == expected
+
+    other = batch.add(tiny_engine.prepare(PROMPTS[1], params))
+    for _ in range(4):
+        batch.step()
+    assert batch.solo_row == other
+    batch.remove([other])
+    assert batch.num_rows == 0 and batch.kv_bytes == 0
+
+
+def test_a_row_with_penalties_stays_in_the_batch(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3)
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    batch.add(tiny_engine.prepare(PROMPTS[0], params))
+    while batch.num_rows:
+        batch.step()
+        assert batch.solo_row is None

@@ -358,3 +358,44 @@ async def test_cancel_by_id(autojump_clock):
         assert rt.cancel("abc")
         assert not rt.cancel("nope")
         assert (await handle.result()).reason == "requested"
+
+
+@pytest.mark.parametrize(("sessions", "step_s"), [(4, 0.05), (64, 0.01)])
+async def test_a_large_fast_batch_takes_several_steps_a_call_with_the_same_tokens(
+    autojump_clock, sessions, step_s
+):
+    # 64 rows of 10 ms steps: the event loop's per-row work would be a noticeable share of a
+    # step, so engine calls run several steps; 4 rows of 50 ms steps (a CPU): one step a call.
+    async with scripted(Script(step_s=step_s), max_batch=64, max_live=64) as (rt, engine):
+        results = {}
+
+        async def run(i: int) -> None:
+            handle = await rt.submit(request(f"prompt {i}", max_tokens=40))
+            tokens: list[int] = []
+            async for event in handle:
+                if isinstance(event, TextDelta):
+                    tokens.extend(event.token_ids)
+            results[i] = (tokens, await handle.result())
+
+        async with trio.open_nursery() as nursery:
+            for i in range(sessions):
+                nursery.start_soon(run, i)
+        for i, (tokens, outcome) in results.items():
+            assert tuple(tokens) == tokens_for(f"prompt {i}", 40)
+            assert isinstance(outcome, Completed) and outcome.usage.completion_tokens == 40
+        if sessions == 4:
+            assert engine.num_batch_calls == engine.num_batch_steps
+        else:
+            assert engine.num_batch_calls < engine.num_batch_steps / 2
+
+
+async def test_several_steps_a_call_still_cancel_and_count_tokens(autojump_clock):
+    async with scripted(max_batch=8, steps_per_call=4) as (rt, engine):
+        running = await rt.submit(request("running", max_tokens=100))
+        done = await rt.collect(request("short", max_tokens=10))
+        assert done.token_ids == tokens_for("short", 10)
+        assert done.outcome.usage.completion_tokens == 10
+        outcome = await running.cancel()
+        assert isinstance(outcome, Cancelled) and outcome.reason == "requested"
+        assert 0 < outcome.usage.completion_tokens < 100
+    assert engine.num_batch_steps == 4 * engine.num_batch_calls
