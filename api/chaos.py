@@ -2,26 +2,33 @@
 runtime's invariants.
 
 A :class:`FaultPlan` (reproducible from a seed) says what each request does and which faults
-hit the engine; :func:`run_plan` drives it through the in-process API over a
-:class:`~mlx_trio.actors.faulty.FaultyEngine`, and :func:`check` compares what happened with
-what the plan implies:
+hit the engine; :func:`run_plan` drives it over a :class:`~mlx_trio.actors.faulty.FaultyEngine`
+through a client: the in-process API (virtual time works), or real HTTP clients against the
+real server (``http=True``, real time), and :func:`check` compares what happened with what the
+plan implies:
 
-- every request ends in exactly one outcome, of a kind its faults allow;
+- every request ends in exactly one outcome, of a kind its faults allow (over HTTP, a client
+  that hangs up never learns its outcome: the runtime's counters must account for it);
 - at quiescence: no rows, no permits, no queued sessions, KV bytes back to zero;
-- requests no fault touched produce exactly the tokens of a fault-free run;
-- a stuck step leaves the runtime unhealthy and its sessions cancelled ``engine_fault``;
+- requests no fault touched produce exactly the tokens (over HTTP: the text) of a fault-free run;
+- a stuck step leaves the runtime unhealthy (over HTTP: /health says 503) and its sessions
+  cancelled ``engine_fault``;
 - the runtime's counters agree with the outcomes and with what was injected.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from functools import partial
+from typing import Any, Literal, Protocol
 
+import httpx
 import trio
 
 from mlx_trio.actors.faulty import EngineFault, FaultyEngine, RowFault, StepFault
@@ -30,14 +37,16 @@ from mlx_trio.actors.messages import (
     Completed,
     Failed,
     GenerationRequest,
-    Outcome,
     TextDelta,
     describe,
 )
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.actors.runtime import RuntimeConfig, RuntimeStatistics
-from mlx_trio.api.inprocess import open_runtime
+from mlx_trio.api.http import AppState
+from mlx_trio.api.inprocess import RuntimeHandle, open_runtime
+from mlx_trio.api.server import ServeOptions, serve
 from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
+from mlx_trio.engine.outputs import PromptCacheStatistics
 from mlx_trio.engine.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -142,7 +151,8 @@ class FaultPlan:
                     requests[i] = replace(requests[i], client=_client_fault(kind, rng, step_s))
         if "burst" in kinds:
             at = rng.uniform(0, span)
-            burst = config.live_limit + config.max_queued + 8
+            # Twice the bound: over HTTP a burst takes a while to arrive; sessions end meanwhile.
+            burst = 2 * (config.live_limit + config.max_queued)
             base = len(requests)
             requests += [
                 RequestPlan(number=base + j, start_s=at, max_tokens=8, in_burst=True)
@@ -187,12 +197,23 @@ def _client_fault(kind: str, rng: random.Random, step_s: float) -> ClientFault:
 
 @dataclass
 class RequestResult:
+    """What one request's client saw.
+
+    ``outcome``: the outcome as :func:`describe` writes it (``completed:length``), or None if the
+    client never saw one. ``tokens``: None where the client cannot see token ids (over HTTP).
+    ``unseen``: the client hung up on purpose before its outcome came, so it never learns it.
+    ``truncated``: an HTTP stream ended without ``data: [DONE]`` although the client stayed.
+    """
+
     plan: RequestPlan
     refused: str | None = None
     refused_when_full: bool = True
-    outcome: Outcome | None = None
+    outcome: str | None = None
     outcomes_seen: int = 0
-    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    tokens: list[int] | None = field(default_factory=list)
+    unseen: bool = False
+    truncated: bool = False
 
 
 @dataclass
@@ -203,75 +224,289 @@ class RunResult:
     injections: Counter[str]
     touched: dict[int, set[str]]
     engine_rows: int
+    client: str = "in-process"
+    health_status: int | None = None  # GET /health's status code, over HTTP
 
 
-async def run_plan(plan: FaultPlan, inner: EnginePort) -> RunResult:
-    """Drive ``plan`` through the in-process API on ``inner`` wrapped with the plan's faults."""
+class Client(Protocol):
+    """How the plan's requests reach the runtime: the in-process API or real HTTP clients."""
+
+    name: str
+
+    async def drive(self, plan: RequestPlan, result: RequestResult) -> None:
+        """Send one request now, act out its client fault, and record what it saw."""
+
+    async def shutdown(self) -> None:
+        """Shut the runtime down (close admission, grace, cancel the rest) as a signal would."""
+
+    async def observe(self) -> tuple[RuntimeStatistics, int | None]:
+        """The runtime's statistics, and /health's status code where there is one."""
+
+
+async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) -> RunResult:
+    """Drive ``plan`` on ``inner`` wrapped with the plan's faults: through the in-process API,
+    or (``http``) through real HTTP clients against the real server, in real time."""
     engine = FaultyEngine(inner, plan.engine_faults)
     results = {r.number: RequestResult(r) for r in plan.requests}
-    async with open_runtime(engine=engine, config=plan.config) as rt:
+    connect = _over_http if http else _in_process
+    async with connect(engine, plan.config) as client:
         async with trio.open_nursery() as clients:
             for request in plan.requests:
-                clients.start_soon(_drive, rt, request, results[request.number])
+                clients.start_soon(_start, client, request, results[request.number])
             if plan.shutdown_at_s is not None:
                 await trio.sleep(plan.shutdown_at_s)
-                await rt.runtime.shutdown()
+                await client.shutdown()
         # Quiescence is checked while the runtime still runs: shutdown must not hide a leak.
         await trio.sleep(plan.config.step_timeout_s)
-        stats = rt.statistics()
+        stats, health = await client.observe()
         engine_rows = getattr(inner, "num_rows", 0)
     touched: dict[int, set[str]] = {}
     for injection in engine.injections:
         for number in injection.requests:
             touched.setdefault(number, set()).add(injection.kind)
     injected = Counter(i.kind for i in engine.injections)
-    return RunResult(plan, list(results.values()), stats, injected, touched, engine_rows)
-
-
-async def _drive(rt, plan: RequestPlan, result: RequestResult) -> None:
-    await trio.sleep(plan.start_s)
-    client = plan.client
-    timeout = client.delay_s if client and client.kind == "deadline" else None
-    request = GenerationRequest(
-        plan.prompt,
-        SamplingParams(temperature=0, max_tokens=plan.max_tokens),
-        reproducible=plan.reproducible,
-        timeout_s=timeout,
-        request_id=f"req-{plan.number}",
+    return RunResult(
+        plan,
+        list(results.values()),
+        stats,
+        injected,
+        touched,
+        engine_rows,
+        client.name,
+        health,
     )
-    try:
-        handle = await rt.submit(request)
-    except (OverloadedError, RuntimeClosedError) as exc:
-        result.refused = exc.code
-        if isinstance(exc, OverloadedError):
-            config = rt.runtime.config
-            result.refused_when_full = (
-                exc.live >= config.live_limit and exc.queued >= config.max_queued
-            )
-        return
-    events = 0
-    async with handle:
-        async for event in handle:
-            if isinstance(event, Completed | Cancelled | Failed):
-                result.outcomes_seen += 1
-                break
-            events += 1
-            if isinstance(event, TextDelta):
-                result.tokens.extend(event.token_ids)
-            if client is None or events <= client.after_events:
-                continue
-            match client.kind:
-                case "slow_reader":
-                    await trio.sleep(client.delay_s)
-                case "consumer_stall":
-                    break  # stop reading, keep the channel open
-                case "consumer_close" | "disconnect":
-                    await handle.aclose()
+
+
+async def _start(client: Client, plan: RequestPlan, result: RequestResult) -> None:
+    await trio.sleep(plan.start_s)
+    await client.drive(plan, result)
+
+
+# -- in process ---------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def _in_process(engine: EnginePort, config: RuntimeConfig) -> AsyncIterator[Client]:
+    async with open_runtime(engine=engine, config=config) as rt:
+        yield InProcessClient(rt)
+
+
+class InProcessClient:
+    name = "in-process"
+
+    def __init__(self, rt: RuntimeHandle) -> None:
+        self.rt = rt
+
+    async def shutdown(self) -> None:
+        await self.rt.runtime.shutdown()
+
+    async def observe(self) -> tuple[RuntimeStatistics, int | None]:
+        return self.rt.statistics(), None
+
+    async def drive(self, plan: RequestPlan, result: RequestResult) -> None:
+        client = plan.client
+        timeout = client.delay_s if client and client.kind == "deadline" else None
+        request = GenerationRequest(
+            plan.prompt,
+            SamplingParams(temperature=0, max_tokens=plan.max_tokens),
+            reproducible=plan.reproducible,
+            timeout_s=timeout,
+            request_id=f"req-{plan.number}",
+        )
+        try:
+            handle = await self.rt.submit(request)
+        except (OverloadedError, RuntimeClosedError) as exc:
+            result.refused = exc.code
+            if isinstance(exc, OverloadedError):
+                config = self.rt.runtime.config
+                result.refused_when_full = (
+                    exc.live >= config.live_limit and exc.queued >= config.max_queued
+                )
+            return
+        tokens: list[int] = []
+        result.tokens = tokens
+        events = 0
+        async with handle:
+            async for event in handle:
+                if isinstance(event, Completed | Cancelled | Failed):
+                    result.outcomes_seen += 1
                     break
-                case "cancel":
-                    await handle.cancel()
-                    break
-        result.outcome = await handle.result()
+                events += 1
+                if isinstance(event, TextDelta):
+                    result.text += event.text
+                    tokens.extend(event.token_ids)
+                if client is None or events <= client.after_events:
+                    continue
+                match client.kind:
+                    case "slow_reader":
+                        await trio.sleep(client.delay_s)
+                    case "consumer_stall":
+                        break  # stop reading, keep the channel open
+                    case "consumer_close" | "disconnect":
+                        await handle.aclose()
+                        break
+                    case "cancel":
+                        await handle.cancel()
+                        break
+            result.outcome = describe(await handle.result())
+
+
+# -- over HTTP ----------------------------------------------------------------------------
+
+# The error codes of the HTTP API (api/http.py) back to the outcomes they report. Written out
+# rather than derived from the server's table, so that the harness checks that mapping too.
+HTTP_ERROR_OUTCOME = {
+    "request_timeout": "cancelled:deadline",
+    "shutting_down": "cancelled:shutdown",
+    "engine_timeout": "cancelled:engine_fault",
+    "engine_fault": "failed:engine_fault",
+    "client_idle": "cancelled:consumer_idle",
+    "request_cancelled": "cancelled:requested",
+    "client_closed": "cancelled:consumer_closed",
+}
+HTTP_REFUSALS = ("overloaded", "shutting_down")
+
+
+@asynccontextmanager
+async def _over_http(engine: EnginePort, config: RuntimeConfig) -> AsyncIterator[Client]:
+    """The real server (Hypercorn on a loopback port) on ``engine``, and an HTTP client pool."""
+    options = ServeOptions(host="127.0.0.1", port=0, handle_signals=False, runtime=config)
+    state = AppState(options.http)
+    stop = trio.Event()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(60.0, connect=30.0)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(
+            partial(serve, options, engine=engine, shutdown=stop, state=state)
+        )
+        try:
+            async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+                with trio.fail_after(60):
+                    while (await http.get("/health")).status_code != 200:
+                        await trio.sleep(0.05)
+                yield HttpClient(http, state, config)
+        finally:
+            stop.set()
+
+
+def _runtime_statistics(data: dict[str, Any]) -> RuntimeStatistics:
+    """Rebuild :class:`RuntimeStatistics` from GET /v1/stats (``asdict`` of it)."""
+    cache = data.get("prompt_cache")
+    return RuntimeStatistics(
+        **{**data, "prompt_cache": PromptCacheStatistics(**cache) if cache else None}
+    )
+
+
+class HttpClient:
+    """Each request is a streaming ``POST /v1/completions``; client faults are acted out on the
+    connection: read slowly, stop reading for a while, hang up, cancel by id."""
+
+    name = "over HTTP"
+
+    def __init__(self, http: httpx.AsyncClient, state: AppState, config: RuntimeConfig) -> None:
+        self.http = http
+        self.state = state
+        # Long enough to trip the idle timeout if the server's writes block on a full socket;
+        # small outputs sit in the socket buffers, though, so the session usually completes.
+        self.stall_s = config.idle_timeout_s * 1.5
+
+    async def shutdown(self) -> None:
+        # What serve does on SIGTERM, except that the server keeps answering: quiescence can
+        # still be checked over HTTP, and new requests get 503 shutting_down.
+        assert self.state.runtime is not None
+        await self.state.runtime.runtime.shutdown()
+
+    async def observe(self) -> tuple[RuntimeStatistics, int | None]:
+        stats = await self.http.get("/v1/stats")
+        stats.raise_for_status()
+        health = await self.http.get("/health")
+        return _runtime_statistics(stats.json()), health.status_code
+
+    async def drive(self, plan: RequestPlan, result: RequestResult) -> None:
+        result.tokens = None  # the API streams text, not token ids
+        body: dict[str, Any] = {
+            "model": self.state.model_id,
+            "prompt": plan.prompt,
+            "max_tokens": plan.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        if plan.client is not None and plan.client.kind == "deadline":
+            body["timeout"] = plan.client.delay_s
+        try:
+            async with self.http.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code == 200:
+                    await self._read(response, plan.client, result)
+                else:
+                    await self._refused(response, result)
+        except (httpx.HTTPError, ValueError, LookupError, TypeError) as exc:
+            # The connection broke, or a chunk is not what the API promises: the check flags
+            # the request (truncated) rather than the whole run crashing.
+            if not result.unseen:
+                result.truncated = True
+                logger.warning("req %d: the stream broke: %r", plan.number, exc)
+
+    async def _read(
+        self, response: httpx.Response, fault: ClientFault | None, result: RequestResult
+    ) -> None:
+        """Read the SSE stream to ``[DONE]``, acting out the client fault on the way."""
+        request_id = response.headers.get("x-request-id", "")
+        events = 0
+        acted = False
+        async with aclosing(response.aiter_lines()) as lines:
+            async for line in lines:
+                if line.startswith("data: "):
+                    payload = line.removeprefix("data: ")
+                    if payload == "[DONE]":
+                        return
+                    outcome = self._chunk(json.loads(payload), result)
+                    if outcome is not None:
+                        result.outcome = outcome
+                        result.outcomes_seen += 1
+                        continue
+                elif not line.startswith(":"):  # ": prefill" comments count as events too
+                    continue
+                events += 1
+                if fault is None or events <= fault.after_events:
+                    continue
+                match fault.kind:
+                    case "slow_reader":
+                        await trio.sleep(fault.delay_s)
+                    case "consumer_stall" if not acted:
+                        acted = True
+                        await trio.sleep(self.stall_s)  # then read on
+                    case "cancel" if not acted:
+                        acted = True
+                        await self.http.post(f"/v1/requests/{request_id}/cancel")
+                    case "consumer_close" | "disconnect":
+                        result.unseen = True
+                        return  # leaving the stream's context closes the connection
+        result.truncated = True
+
+    @staticmethod
+    def _chunk(data: dict[str, Any], result: RequestResult) -> str | None:
+        """Take a chunk's text; return the outcome it reports, if any."""
+        if "error" in data:
+            code = data["error"].get("code")
+            return HTTP_ERROR_OUTCOME.get(code, f"failed:{code}")
+        choice = data["choices"][0]
+        result.text += choice.get("text") or ""
+        reason = choice.get("finish_reason")
+        return f"completed:{reason}" if reason is not None else None
+
+    @staticmethod
+    async def _refused(response: httpx.Response, result: RequestResult) -> None:
+        """A reply before any streaming: a refusal (503), or an outcome the check will flag."""
+        await response.aread()
+        try:
+            code = response.json()["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            code = None
+        if response.status_code == 503 and code in HTTP_REFUSALS:
+            result.refused = code  # whether the gate was full cannot be seen from here
+        else:
+            result.outcome = f"failed:http {response.status_code} {code}"
+            result.outcomes_seen += 1
 
 
 # -- the invariants -----------------------------------------------------------------------
@@ -282,6 +517,14 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What a fault-free run gives a request: its tokens, and its text."""
+
+    tokens: list[int]
+    text: str
 
 
 ENGINE_OUTCOME = {
@@ -318,11 +561,17 @@ def allowed_outcomes(result: RequestResult, touched: set[str], shutdown: bool) -
     return allowed
 
 
-def check(run: RunResult, reference: Callable[[RequestPlan], list[int]]) -> list[Check]:
+def _counted(outcome: str) -> str:
+    """An outcome as the runtime's counters see it: completions are counted as one kind."""
+    return "completed" if outcome.startswith("completed:") else outcome
+
+
+def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[Check]:
     """Every invariant, each with what it found."""
     checks: list[Check] = []
     shutdown = run.plan.shutdown_at_s is not None
     admitted = [r for r in run.requests if r.refused is None]
+    unseen = [r for r in admitted if r.unseen]
 
     stray = [
         r.plan.number
@@ -331,22 +580,27 @@ def check(run: RunResult, reference: Callable[[RequestPlan], list[int]]) -> list
         or (r.refused == "shutting_down" and not shutdown)
     ]
     burst = [r for r in run.requests if r.plan.in_burst]
+    # A burst past the bound meets a full gate, unless the shutdown closed admission first
+    # (over HTTP a burst takes a while to arrive, so the shutdown may come in the middle of it).
     bound_held = (
         not burst
         or any(r.refused == "overloaded" for r in burst)
-        or all(r.refused == "shutting_down" for r in burst)
+        or any(r.refused == "shutting_down" for r in burst)
     )
+    refused = f"{sum(bool(r.refused) for r in run.requests)} refused"
+    if run.health_status is not None:
+        refused += " (over HTTP a refusal cannot show whether the gate was full)"
     checks.append(
         Check(
             "refusals only past the bound",
             not stray and bound_held,
-            f"stray {stray[:5]}"
-            if stray
-            else f"{sum(bool(r.refused) for r in run.requests)} refused",
+            f"stray {stray[:5]}" if stray else refused,
         )
     )
 
-    missing = [r.plan.number for r in admitted if r.outcome is None]
+    missing = [
+        r.plan.number for r in admitted if not r.unseen and (r.outcome is None or r.truncated)
+    ]
     doubled = [r.plan.number for r in admitted if r.outcomes_seen > 1]
     checks.append(
         Check(
@@ -354,7 +608,7 @@ def check(run: RunResult, reference: Callable[[RequestPlan], list[int]]) -> list
             not missing and not doubled,
             f"missing {missing[:5]} doubled {doubled[:5]}"
             if missing or doubled
-            else f"{len(admitted)} admitted",
+            else f"{len(admitted)} admitted, {len(unseen)} unseen",
         )
     )
 
@@ -363,8 +617,8 @@ def check(run: RunResult, reference: Callable[[RequestPlan], list[int]]) -> list
         if r.outcome is None:
             continue
         allowed = allowed_outcomes(r, run.touched.get(r.plan.number, set()), shutdown)
-        if describe(r.outcome) not in allowed:
-            wrong.append(f"req {r.plan.number}: {describe(r.outcome)} not in {sorted(allowed)}")
+        if r.outcome not in allowed:
+            wrong.append(f"req {r.plan.number}: {r.outcome} not in {sorted(allowed)}")
     checks.append(Check("outcome kinds match the faults", not wrong, "; ".join(wrong[:3])))
 
     s = run.statistics
@@ -391,9 +645,15 @@ def check(run: RunResult, reference: Callable[[RequestPlan], list[int]]) -> list
         for r in admitted
         if r.plan.number not in run.touched
         and (r.plan.client is None or r.plan.client.kind == "slow_reader")
-        and isinstance(r.outcome, Completed)
+        and r.outcome is not None
+        and r.outcome.startswith("completed:")
     ]
-    diverged = [r.plan.number for r in untouched if r.tokens != reference(r.plan)]
+    diverged = []
+    for r in untouched:
+        expected = reference(r.plan)
+        same = r.tokens == expected.tokens if r.tokens is not None else r.text == expected.text
+        if not same:
+            diverged.append(r.plan.number)
     checks.append(
         Check(
             "untouched requests match a fault-free run",
@@ -403,27 +663,39 @@ def check(run: RunResult, reference: Callable[[RequestPlan], list[int]]) -> list
     )
 
     hangs = run.injections["step_hang"]
-    hung_ok = (not hangs) or (not s.is_healthy and s.stuck_steps == hangs)
+    hung_ok = (not hangs) or (
+        not s.is_healthy and s.stuck_steps == hangs and run.health_status in (None, 503)
+    )
+    health = "" if run.health_status is None else f" /health={run.health_status}"
     checks.append(
         Check(
             "a stuck step makes the runtime unhealthy",
             hung_ok,
-            f"hangs={hangs} stuck_steps={s.stuck_steps} healthy={s.is_healthy}",
+            f"hangs={hangs} stuck_steps={s.stuck_steps} healthy={s.is_healthy}{health}",
         )
     )
 
-    outcomes = Counter(describe(r.outcome) for r in admitted if r.outcome is not None)
-    mismatches = []
-    if sum(v for k, v in outcomes.items() if k.startswith("completed")) != s.completed:
-        mismatches.append(f"completed {s.completed}")
-    for reason, n in s.cancelled.items():
-        if outcomes[f"cancelled:{reason}"] != n:
-            mismatches.append(
-                f"cancelled:{reason} stats={n} seen={outcomes[f'cancelled:{reason}']}"
-            )
-    for code, n in s.failed.items():
-        if outcomes[f"failed:{code}"] != n:
-            mismatches.append(f"failed:{code} stats={n} seen={outcomes[f'failed:{code}']}")
+    # What the runtime counted against what the clients saw: every outcome seen was counted,
+    # and the rest are exactly the outcomes of the clients that hung up before seeing theirs.
+    counted = Counter({"completed": s.completed})
+    counted.update({f"cancelled:{reason}": n for reason, n in s.cancelled.items()})
+    counted.update({f"failed:{code}": n for code, n in s.failed.items()})
+    seen = Counter(_counted(r.outcome) for r in admitted if r.outcome is not None)
+    mismatches = [
+        f"{kind} stats={counted[kind]} seen={n}" for kind, n in seen.items() if n > counted[kind]
+    ]
+    residual = counted - seen
+    if residual.total() != len(unseen):
+        mismatches.append(f"{residual.total()} outcomes not seen, {len(unseen)} unseen requests")
+    possible = [
+        {_counted(o) for o in allowed_outcomes(r, run.touched.get(r.plan.number, set()), shutdown)}
+        for r in unseen
+    ]
+    mismatches += [
+        f"{kind} x{n} counted, unseen, allowed for none"
+        for kind, n in residual.items()
+        if not any(kind in kinds for kinds in possible)
+    ]
     overloaded = sum(r.refused == "overloaded" for r in run.requests)
     if overloaded != s.refused:
         mismatches.append(f"refused stats={s.refused} seen={overloaded}")
@@ -453,7 +725,7 @@ class ChaosReport:
     def table(self) -> str:
         plan, run = self.run.plan, self.run
         lines = [
-            f"seed {plan.seed}: {len(plan.requests)} requests",
+            f"seed {plan.seed}: {len(plan.requests)} requests, {run.client}",
             "",
             "| fault | planned | injected |",
             "| --- | --- | --- |",
@@ -464,32 +736,39 @@ class ChaosReport:
         injected["shutdown"] = int(plan.shutdown_at_s is not None)
         for kind in sorted(set(plan.planned) | {k for k, v in injected.items() if v}):
             lines.append(f"| {kind} | {plan.planned[kind]} | {injected[kind]} |")
-        outcomes = Counter(describe(r.outcome) for r in run.requests if r.outcome is not None)
+        outcomes = Counter(r.outcome for r in run.requests if r.outcome is not None)
         outcomes.update(f"refused:{r.refused}" for r in run.requests if r.refused)
+        outcomes["unseen (client hung up)"] = sum(r.unseen for r in run.requests)
+        outcomes["truncated (stream cut)"] = sum(r.truncated for r in run.requests)
         lines += ["", "| outcome | requests |", "| --- | --- |"]
-        lines += [f"| {kind} | {n} |" for kind, n in sorted(outcomes.items())]
+        lines += [f"| {kind} | {n} |" for kind, n in sorted(outcomes.items()) if n]
         lines += ["", "| invariant | holds | detail |", "| --- | --- | --- |"]
         lines += [f"| {c.name} | {'yes' if c.ok else 'NO'} | {c.detail} |" for c in self.checks]
         return "\n".join(lines)
 
 
-def scripted_reference(plan: RequestPlan) -> list[int]:
-    """The tokens the scripted engine gives a request with no fault."""
-    from mlx_trio.actors.scripted import expected_tokens
+def scripted_reference(plan: RequestPlan) -> Expected:
+    """The tokens and text the scripted engine gives a request with no fault."""
+    from mlx_trio.actors.scripted import expected_tokens, token_text
 
-    return expected_tokens(tuple(ord(c) for c in plan.prompt), plan.max_tokens)
+    tokens = expected_tokens(tuple(ord(c) for c in plan.prompt), plan.max_tokens)
+    return Expected(tokens, "".join(token_text(t) for t in tokens))
 
 
-async def run_scripted(plan: FaultPlan, *, step_s: float = 0.01) -> ChaosReport:
-    """Run a plan on the scripted engine (use a MockClock for speed)."""
+async def run_scripted(plan: FaultPlan, *, step_s: float = 0.01, http: bool = False) -> ChaosReport:
+    """Run a plan on the scripted engine (in-process: use a MockClock for speed; over HTTP it
+    runs in real time, as sockets need)."""
     from mlx_trio.actors.scripted import Script, ScriptedEngine
 
-    run = await run_plan(plan, ScriptedEngine(Script(step_s=step_s)))
+    run = await run_plan(plan, ScriptedEngine(Script(step_s=step_s)), http=http)
     return ChaosReport(run, check(run, scripted_reference))
 
 
-async def run_on_model(plan: FaultPlan, model: str | None, *, device: str = "auto") -> ChaosReport:
-    """Run a plan on a real model: a fault-free pass first gives the reference tokens."""
+async def run_on_model(
+    plan: FaultPlan, model: str | None, *, device: str = "auto", http: bool = False
+) -> ChaosReport:
+    """Run a plan on a real model: a fault-free pass (in-process) first gives the reference
+    tokens and text; then the plan runs on the same engine, in-process or over HTTP."""
     from mlx_trio.engine.thread import EngineThread
     from mlx_trio.engine.threaded import ThreadedEngine
 
@@ -504,6 +783,10 @@ async def run_on_model(plan: FaultPlan, model: str | None, *, device: str = "aut
             shutdown_at_s=None,
         )
         baseline = await run_plan(calm, engine)
-        tokens = {r.plan.number: r.tokens for r in baseline.requests if r.outcome is not None}
-        run = await run_plan(plan, engine)
-    return ChaosReport(run, check(run, lambda p: tokens.get(p.number, [])))
+        expected = {
+            r.plan.number: Expected(r.tokens or [], r.text)
+            for r in baseline.requests
+            if r.outcome is not None
+        }
+        run = await run_plan(plan, engine, http=http)
+    return ChaosReport(run, check(run, lambda p: expected.get(p.number, Expected([], ""))))

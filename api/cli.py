@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run on a real model ('default' for the embedded one); default: the scripted engine",
     )
     chaos.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    chaos.add_argument(
+        "--http",
+        action="store_true",
+        help="drive the plan with HTTP clients against the real server (real time)",
+    )
 
     pull = commands.add_parser("pull", help="fetch and import the embedded default model")
     pull.add_argument("--force", action="store_true", help="re-download and re-import")
@@ -209,6 +214,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
+    from functools import partial
+
     import trio
     import trio.testing
 
@@ -220,16 +227,25 @@ def _chaos(args: argparse.Namespace) -> int:
     kinds = FAULT_KINDS if args.faults == "all" else tuple(k for k in args.faults.split(",") if k)
     if args.log_level != "DEBUG":  # the injected faults are logged as errors; the table says it all
         logging.getLogger("mlx_trio.actors").setLevel(logging.CRITICAL)
+        for name in ("mlx_trio.http", "mlx_trio.server", "hypercorn", "httpx"):  # lines per request
+            logging.getLogger(name).setLevel(logging.WARNING)
+    over = "over HTTP" if args.http else "in-process"
     if args.model is None:
         plan = FaultPlan.generate(args.seed, args.requests, kinds)
-        logger.info("chaos: %d requests on the scripted engine (virtual time)", args.requests)
-        clock = trio.testing.MockClock(autojump_threshold=0)
-        report = trio.run(run_scripted, plan, clock=clock)
+        if args.http:  # sockets need real time: FaultPlan.generate paces the plan for 10 ms steps
+            logger.info("chaos: %d requests on the scripted engine, over HTTP", args.requests)
+            report = trio.run(partial(run_scripted, plan, step_s=0.01, http=True))
+        else:
+            logger.info("chaos: %d requests on the scripted engine (virtual time)", args.requests)
+            clock = trio.testing.MockClock(autojump_threshold=0)
+            report = trio.run(run_scripted, plan, clock=clock)
     else:
         plan = FaultPlan.generate(args.seed, args.requests, kinds, step_s=0.1)
         model = None if args.model == "default" else args.model
-        logger.info("chaos: %d requests on %s (fault-free pass first)", args.requests, args.model)
-        report = trio.run(run_on_model, plan, model, args.device)
+        logger.info(
+            "chaos: %d requests on %s, %s (fault-free pass first)", args.requests, args.model, over
+        )
+        report = trio.run(partial(run_on_model, plan, model, device=args.device, http=args.http))
     print(report.table())
     return 0 if report.ok else 1
 

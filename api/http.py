@@ -57,7 +57,7 @@ logger = logging.getLogger("mlx_trio.http")
 OUTCOME_STATUS = {
     "deadline": (408, "timeout_error", "request_timeout"),
     "shutdown": (503, "server_error", "shutting_down"),
-    "engine_fault": (503, "server_error", "engine_fault"),
+    "engine_fault": (503, "server_error", "engine_timeout"),  # a step hung: not "failed"
     "requested": (499, "invalid_request_error", "request_cancelled"),
     "consumer_closed": (499, "invalid_request_error", "client_closed"),
     "consumer_idle": (499, "invalid_request_error", "client_idle"),

@@ -57,11 +57,16 @@ async def serve(
     *,
     engine: EnginePort | None = None,
     shutdown: trio.Event | None = None,
+    state: AppState | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until ``shutdown`` is set (or a signal); ``task_status`` gets the base URL."""
+    """Serve until ``shutdown`` is set (or a signal); ``task_status`` gets the base URL.
+
+    ``state``: the app's state (default: a new one on ``options.http``), for a caller that
+    wants to reach the runtime it serves (``state.runtime``, set once the model is loaded).
+    """
     shutdown = trio.Event() if shutdown is None else shutdown
-    state = AppState(options.http)
+    state = AppState(options.http) if state is None else state
     stopped = trio.Event()
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(

@@ -1,11 +1,15 @@
 """The fault-injection harness, over many seeds for every fault kind, on the scripted engine
-under MockClock; plus Hypothesis-generated operation scripts checked against the invariants."""
+under MockClock; over HTTP (real clients, the real server, real time) for a few seeds; plus
+Hypothesis-generated operation scripts checked against the invariants."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import trio
@@ -16,8 +20,11 @@ from hypothesis import strategies as st
 from mlx_trio.actors.faulty import FaultyEngine, StepFault
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.api import cli
 from mlx_trio.api.chaos import (
+    CLIENT_KINDS,
     FAULT_KINDS,
+    ChaosReport,
     FaultPlan,
     run_on_model,
     run_plan,
@@ -69,16 +76,98 @@ def test_the_harness_catches_a_leak():
     assert "engine rows" in quiescence.detail and "kv bytes" in quiescence.detail
 
 
-def test_chaos_command_prints_the_table_and_exits_0():
-    result = subprocess.run(
-        [sys.executable, "-m", "mlx_trio.api.cli", "chaos", "--seed", "5", "--requests", "60"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def chaos_command(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run ``mlx-trio chaos ARGV`` as a user would; its exit status must be 0."""
+    command = [sys.executable, "-m", "mlx_trio.api.cli", "chaos", *argv]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_chaos_command_prints_the_table_and_exits_0():
+    result = chaos_command("--seed", "5", "--requests", "60")
     assert "| exactly one outcome each | yes |" in result.stdout
     assert "| step_error |" in result.stdout
+
+
+# -- over HTTP ----------------------------------------------------------------------------
+
+ENGINE_FAULTS = ("step_error", "prefill_error", "sampler_error", "step_hang", "kv_exhausted")
+
+
+def run_http(plan: FaultPlan) -> ChaosReport:
+    return trio.run(partial(run_scripted, plan, http=True))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_client_fault_over_http_keeps_every_invariant(seed):
+    plan = FaultPlan.generate(seed, 40, CLIENT_KINDS)
+    assert set(plan.planned) == set(CLIENT_KINDS)
+    report = run_http(plan)
+    assert report.ok, report.table()
+    hung_up = [r for r in report.run.requests if r.unseen]
+    assert hung_up, "the clients that hung up never learn their outcome"
+    kinds = {r.plan.client.kind for r in hung_up if r.plan.client}
+    assert kinds <= {"consumer_close", "disconnect"}
+    assert report.run.health_status == 200
+    assert "over HTTP" in report.table()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_engine_faults_over_http_keep_every_invariant(seed):
+    report = run_http(FaultPlan.generate(seed, 40, ENGINE_FAULTS))
+    assert report.ok, report.table()
+    assert report.run.injections, "the plan injected nothing"
+    if report.run.injections["step_hang"]:
+        assert report.run.health_status == 503
+
+
+def test_shutdown_and_a_burst_over_http_keep_every_invariant():
+    report = run_http(FaultPlan.generate(4, 40, ("shutdown", "burst", "disconnect", "cancel")))
+    assert report.ok, report.table()
+    assert any(r.refused for r in report.run.requests), "the burst or the shutdown refused none"
+    assert report.run.health_status == 503  # shut down
+
+
+def test_the_http_harness_catches_a_leak():
+    plan = FaultPlan.generate(3, 40, ("consumer_close", "cancel"))
+
+    async def run():
+        result = await run_plan(plan, LeakyEngine(Script()), http=True)
+        return check_invariants(result, scripted_reference)
+
+    checks = trio.run(run)
+    quiescence = next(c for c in checks if c.name.startswith("quiescent"))
+    assert not quiescence.ok
+    assert "engine rows" in quiescence.detail and "kv bytes" in quiescence.detail
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """``cli.main`` configures logging and quiets some loggers; put it back for other tests."""
+    root = logging.getLogger()
+    handlers, root_level = list(root.handlers), root.level
+    names = ("mlx_trio.actors", "mlx_trio.http", "mlx_trio.server", "hypercorn", "httpx")
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(root_level)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def test_a_broken_invariant_over_http_exits_1(monkeypatch, capsys, restore_logging):
+    monkeypatch.setattr("mlx_trio.actors.scripted.ScriptedEngine", LeakyEngine)
+    argv = ["chaos", "--http", "--seed", "3", "--requests", "40", "--faults", "consumer_close"]
+    assert cli.main(argv) == 1
+    assert "| quiescent: nothing held | NO |" in capsys.readouterr().out
+
+
+def test_chaos_command_over_http_prints_the_table_and_exits_0():
+    result = chaos_command("--http", "--requests", "60", "--seed", "1")
+    assert "requests, over HTTP" in result.stdout
+    assert "| exactly one outcome each | yes |" in result.stdout
+    assert "| unseen (client hung up) |" in result.stdout
 
 
 # -- Hypothesis: operation scripts ---------------------------------------------------------
@@ -217,3 +306,12 @@ def test_a_short_chaos_run_on_the_default_model():
     )
     report = trio.run(run_on_model, plan, None)
     assert report.ok, report.table()
+
+
+@pytest.mark.e2e
+def test_a_short_chaos_run_on_the_default_model_over_http():
+    """The streamed text of untouched requests equals the in-process fault-free pass's."""
+    plan = FaultPlan.generate(11, 12, ("step_error", "consumer_close", "cancel"), step_s=0.1)
+    report = trio.run(partial(run_on_model, plan, None, http=True))
+    assert report.ok, report.table()
+    assert "over HTTP" in report.table()

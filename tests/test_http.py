@@ -311,7 +311,7 @@ def test_a_stuck_step_turns_health_503():
         wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200)
         reply = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body("wedge"), timeout=30)
         assert reply.status_code == 503
-        assert reply.json()["error"]["code"] == "engine_fault"
+        assert reply.json()["error"]["code"] == "engine_timeout"
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 503 and health.json()["status"] == "unhealthy"
 
