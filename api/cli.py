@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout", type=float, default=30.0, help="seconds a reader may stall"
     )
     serve.add_argument("--step-timeout", type=float, default=60.0, help="engine step watchdog")
+    serve.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=None,
+        help="batch steps per engine call (default: picked per call; 1 on CPU)",
+    )
     serve.add_argument("--shutdown-grace", type=float, default=10.0)
     serve.add_argument(
         "--prompt-cache-bytes",
@@ -187,6 +193,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.max_batch < 1:
         raise MlxTrioError("--max-batch must be >= 1")
+    if args.steps_per_call is not None and args.steps_per_call < 1:
+        raise MlxTrioError("--steps-per-call must be >= 1")
     options = ServeOptions(
         host=args.host,
         port=args.port,
@@ -200,6 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
             idle_timeout_s=args.idle_timeout,
             step_timeout_s=args.step_timeout,
             shutdown_grace_s=args.shutdown_grace,
+            steps_per_call=args.steps_per_call,
         ),
         http=HttpSettings(
             api_key=args.api_key,

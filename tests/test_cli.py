@@ -24,6 +24,7 @@ def mlx_trio(*args: str) -> subprocess.CompletedProcess[str]:
         (["generate", "hi", "--max-tokens", "lots"], "mlx-trio: error: argument --max-tokens"),
         (["generate", "hi", "--temperature", "5"], "mlx-trio: error: temperature must be in"),
         (["generate", "hi", "--model", "/no/such/model"], "mlx-trio: error: model not found"),
+        (["serve", "--steps-per-call", "0"], "mlx-trio: error: --steps-per-call must be >= 1"),
     ],
 )
 def test_bad_invocations_print_one_line_and_exit_non_zero(args, message, tmp_path):
