@@ -80,8 +80,11 @@ class EngineThread:
             sys.setswitchinterval(self._previous_interval_s)
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job.deliver(outcome.capture(job.fn))
+        try:
+            while (job := self._jobs.get()) is not None:
+                job.deliver(outcome.capture(job.fn))
+        finally:
+            _clear_streams()
 
     def _submit(self, fn: Callable[[], Any], deliver: Callable[[outcome.Outcome], None]) -> None:
         if self._closed:
@@ -125,3 +128,15 @@ class EngineThread:
         self._submit(lambda: fn(*args), deliver)
         await done.wait()
         return box[0].unwrap()
+
+
+def _clear_streams() -> None:
+    """Destroy the MLX streams this thread created, before it ends.
+
+    MLX 0.32 leaves that to each thread (mlx-lm's generation stream is thread-local); left to the
+    interpreter's exit, it can abort the process after all the work is done ("terminate called
+    without an active exception", seen once in this project's README example test).
+    """
+    import mlx.core as mx
+
+    mx.clear_streams()
