@@ -164,8 +164,8 @@ class FaultPlan:
             for _ in range(per_kind):
                 victim = rng.randrange(num_requests)
                 match kind:
-                    case "sampler_error":
-                        faults.append(RowFault("sampler_error", victim, at_token=2))
+                    case "sampler_error":  # at its first token: a model may stop at the next
+                        faults.append(RowFault("sampler_error", victim, at_token=0))
                     case "prefill_error":
                         faults.append(StepFault("prefill_error", request=victim))
                     case "step_slow":
@@ -776,11 +776,13 @@ async def run_on_model(
         engine = await ThreadedEngine.load(
             thread, model, device=device, max_batch=plan.config.max_batch
         )
+        # Every request, burst included (a queue long enough that none is refused), no fault.
         calm = replace(
             plan,
-            requests=tuple(replace(r, client=None) for r in plan.requests if not r.in_burst),
+            requests=tuple(replace(r, client=None) for r in plan.requests),
             engine_faults=(),
             shutdown_at_s=None,
+            config=replace(plan.config, max_queued=len(plan.requests)),
         )
         baseline = await run_plan(calm, engine)
         expected = {
