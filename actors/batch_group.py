@@ -177,11 +177,15 @@ class BatchGroup:
         try:
             await work
         except Exception as exc:
-            self._faults += 1
-            self._consecutive_faults += 1
-            logger.exception("an engine call failed; failing %d row(s)", len(self._members))
-            message = f"engine error: {type(exc).__name__}: {exc}"
-            await self._fail_all(lambda row: RowFailed(row, message))
+            await self._engine_failed("an engine call", exc)
+
+    async def _engine_failed(self, what: str, exc: Exception) -> None:
+        """Count the fault, log it, fail every row with it and rebuild the batch."""
+        self._faults += 1
+        self._consecutive_faults += 1
+        logger.error("%s failed; failing %d row(s)", what, len(self._members), exc_info=exc)
+        message = f"engine error: {type(exc).__name__}: {exc}"
+        await self._fail_all(lambda row: RowFailed(row, message))
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -284,11 +288,8 @@ class BatchGroup:
             with trio.move_on_after(self.step_timeout_s * steps) as watchdog:
                 events = await self.engine.batch_step(steps)
         except Exception as exc:
-            self._faults += 1
-            self._consecutive_faults += 1
-            logger.exception("batch step failed; failing %d row(s)", len(self._members))
-            message = f"engine error: {type(exc).__name__}: {exc}"
-            await self._fail_all(lambda row: RowFailed(row, message))
+            # Handled here, not by _guarded, so that _advance goes on to give the lease back.
+            await self._engine_failed("batch step", exc)
             return
         if watchdog.cancelled_caught:
             self._stuck += 1

@@ -180,15 +180,11 @@ class Session:
         checkpoint (the next receive from the lane is one): it runs once per row and token.
         """
         try:
-            self._consumer.send_nowait(event)
-            return
-        except trio.WouldBlock:
-            pass
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.cancel("consumer_closed")
-            await trio.lowlevel.checkpoint()
-            return
-        try:
+            try:
+                self._consumer.send_nowait(event)
+                return
+            except trio.WouldBlock:
+                pass
             with trio.move_on_after(self._idle_timeout_s) as idle:
                 await self._consumer.send(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -37,6 +37,7 @@ from mlx_trio.actors.messages import (
     Outcome,
     Progress,
     TextDelta,
+    Usage,
     describe,
 )
 from mlx_trio.actors.runtime import RuntimeStatistics
@@ -167,6 +168,10 @@ class Exchange:
 
     def __post_init__(self) -> None:
         self.outcomes = [None] * len(self.handles)
+
+    def usage(self) -> Usage:
+        """The completed sessions' usage, summed."""
+        return fmt.sum_usage([o.usage for o in self.outcomes if isinstance(o, Completed)])
 
 
 async def submit_all(rt: RuntimeHandle, requests: list[GenerationRequest]) -> list[SessionHandle]:
@@ -305,7 +310,7 @@ class Api:
             )
             for i, outcome in enumerate(ex.outcomes)
         ]
-        usage = fmt.sum_usage([o.usage for o in ex.outcomes if isinstance(o, Completed)])
+        usage = ex.usage()
         self._log(ex, 200)
         return JSONResponse(
             fmt.completion_body(
@@ -521,7 +526,7 @@ class EventStream:
         if failure is not None:
             await write(_outcome_error(failure).body)
         elif self.include_usage:
-            usage = fmt.sum_usage([o.usage for o in ex.outcomes if isinstance(o, Completed)])
+            usage = ex.usage()
             await write(
                 fmt.usage_chunk(
                     ex.kind,

@@ -181,11 +181,8 @@ class BatchEngine:
         after giving the prompt cache what they had prefilled (a retry resumes from there)."""
         uids = []
         for row_id in rows:
-            if row_id == self.solo_row:
-                caches, tokens = self._drop_solo()
-                self._commit(tokens[:-1], caches)
-                del self._rows[row_id]
-                continue
+            if row_id == self.solo_row:  # then it goes as a parked row does
+                self._rows[row_id].parked = self._drop_solo()
             row = self._rows.pop(row_id, None)
             if row is None:
                 continue
