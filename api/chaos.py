@@ -123,6 +123,8 @@ class FaultPlan:
         unknown = set(kinds) - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {FAULT_KINDS}")
+        if num_requests < 1:
+            raise ValueError(f"a plan needs at least one request, not {num_requests}")
         rng = random.Random(seed)
         config = RuntimeConfig(
             max_batch=8,

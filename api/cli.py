@@ -239,8 +239,12 @@ def _chaos(args: argparse.Namespace) -> int:
         for name in ("mlx_trio.http", "mlx_trio.server", "hypercorn", "httpx"):  # lines per request
             logging.getLogger(name).setLevel(logging.WARNING)
     over = "over HTTP" if args.http else "in-process"
+    try:  # a model's steps are slower: its plan is paced for 100 ms steps
+        step_s = 0.01 if args.model is None else 0.1
+        plan = FaultPlan.generate(args.seed, args.requests, kinds, step_s=step_s)
+    except ValueError as exc:
+        raise MlxTrioError(str(exc)) from None
     if args.model is None:
-        plan = FaultPlan.generate(args.seed, args.requests, kinds)
         if args.http:  # sockets need real time: FaultPlan.generate paces the plan for 10 ms steps
             logger.info("chaos: %d requests on the scripted engine, over HTTP", args.requests)
             report = trio.run(partial(run_scripted, plan, step_s=0.01, http=True))
@@ -249,7 +253,6 @@ def _chaos(args: argparse.Namespace) -> int:
             clock = trio.testing.MockClock(autojump_threshold=0)
             report = trio.run(run_scripted, plan, clock=clock)
     else:
-        plan = FaultPlan.generate(args.seed, args.requests, kinds, step_s=0.1)
         model = None if args.model == "default" else args.model
         logger.info(
             "chaos: %d requests on %s, %s (fault-free pass first)", args.requests, args.model, over

@@ -25,6 +25,8 @@ def mlx_trio(*args: str) -> subprocess.CompletedProcess[str]:
         (["generate", "hi", "--temperature", "5"], "mlx-trio: error: temperature must be in"),
         (["generate", "hi", "--model", "/no/such/model"], "mlx-trio: error: model not found"),
         (["serve", "--steps-per-call", "0"], "mlx-trio: error: --steps-per-call must be >= 1"),
+        (["chaos", "--faults", "step_error,bogus"], "mlx-trio: error: unknown fault kinds"),
+        (["chaos", "--http", "--requests", "0"], "mlx-trio: error: a plan needs at least one"),
     ],
 )
 def test_bad_invocations_print_one_line_and_exit_non_zero(args, message, tmp_path):
