@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -28,7 +28,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.outputs import RowEvent, RowFailed, RowOutput, RowProgress, merge_steps
+from mlx_trio.engine.outputs import RowEvent, RowFailed, RowOutput, RowProgress
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.row import RowDecoder
 from mlx_trio.engine.sampling import LogitsProcessor, Sampler, make_row_processors, make_row_sampler
@@ -47,6 +47,16 @@ class _Row:
     uid: int | None = None
     decoding: bool = False  # in mlx-lm's generation batch (not prefilling)
     parked: tuple[list[Any], list[int]] | None = None  # KV caches, tokens (last one not in them)
+    # This engine call's tokens (and log-probability vectors, if asked for), decoded at its end.
+    sampled: list[int] = field(default_factory=list)
+    sampled_logprobs: list[mx.array] = field(default_factory=list)
+    took_at: int = -1  # the step that gave it its last sampled token
+    failure: str | None = None  # its sampler failed: it left the generator, fails at the end
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens generated so far, this call's undecoded ones included."""
+        return self.decoder.num_generated + len(self.sampled)
 
 
 @dataclass(slots=True)
@@ -89,6 +99,7 @@ class BatchEngine:
         self._next_row = 0
         self._solo_enabled = solo
         self._solo: _Solo | None = None
+        self._step_count = 0
         self.max_batch = max_batch
 
     @property
@@ -181,18 +192,25 @@ class BatchEngine:
         after giving the prompt cache what they had prefilled (a retry resumes from there)."""
         uids = []
         for row_id in rows:
-            if row_id == self.solo_row:  # then it goes as a parked row does
-                self._rows[row_id].parked = self._drop_solo()
             row = self._rows.pop(row_id, None)
-            if row is None:
-                continue
-            if row.uid is not None:
-                uids.append(row.uid)
-                del self._row_of_uid[row.uid]
-            elif row.parked is not None:
-                caches, tokens = row.parked
-                self._commit(tokens[:-1], caches)
+            if row is not None and (uid := self._detach(row_id, row)) is not None:
+                uids.append(uid)
         self._remove_uids(uids)
+
+    def _detach(self, row_id: int, row: _Row) -> int | None:
+        """Stop stepping a row: a solo or parked row gives its KV to the prompt cache; a row in
+        mlx-lm's batch is unmapped and its uid returned, for :meth:`_remove_uids`."""
+        if row_id == self.solo_row:  # then it goes as a parked row does
+            row.parked = self._drop_solo()
+        if row.uid is not None:
+            uid, row.uid = row.uid, None
+            del self._row_of_uid[uid]
+            return uid
+        if row.parked is not None:
+            caches, tokens = row.parked
+            row.parked = None
+            self._commit(tokens[:-1], caches)
+        return None
 
     def _remove_uids(self, uids: list[int]) -> None:
         if not uids:
@@ -243,13 +261,13 @@ class BatchEngine:
         if not self._solo_enabled or self._solo is not None or len(self._rows) != 1:
             return
         ((row_id, row),) = self._rows.items()
-        if not row.decoding or row.processors:
+        if not row.decoding or row.processors or row.uid is None:
             return
         caches, tokens = self._take_out(row_id)
         steps = generate_step(
             mx.array(tokens[-1:]),
             self._engine.model,
-            max_tokens=row.decoder.params.max_tokens - row.decoder.num_generated,
+            max_tokens=row.decoder.params.max_tokens - row.num_sampled,
             sampler=row.sampler or greedy_sampler,
             prompt_cache=caches,
         )
@@ -273,18 +291,16 @@ class BatchEngine:
         self._rows[row_id].parked = self._drop_solo()
         self.resume(row_id)
 
-    def _solo_step(self, solo: _Solo) -> list[RowEvent]:
+    def _solo_step(self, solo: _Solo, touched: dict[int, _Row]) -> None:
         token, logprobs = next(solo.steps)
         solo.tokens.append(token)
         row = self._rows[solo.row_id]
-        delta = row.decoder.feed(token, logprobs)
-        if delta.finish_reason is None:
-            return [RowOutput(row=solo.row_id, delta=delta)]
-        self._solo = None
-        solo.steps.close()
-        del self._rows[solo.row_id]
-        self._commit(solo.tokens[: solo.caches[0].offset], solo.caches)
-        return [RowOutput(row=solo.row_id, delta=delta, stats=row.decoder.stats())]
+        self._take(solo.row_id, row, token, logprobs, touched)
+        if token in row.decoder.stop_token_ids or row.num_sampled >= row.decoder.params.max_tokens:
+            # The row ends here (generate_step knows no stop tokens): its KV goes now.
+            self._solo = None
+            solo.steps.close()
+            self._commit(solo.tokens[: solo.caches[0].offset], solo.caches)
 
     def resume(self, row_id: int) -> None:
         """Put a parked row back into the batch; it continues where it stopped."""
@@ -296,68 +312,113 @@ class BatchEngine:
         self._insert(row_id, row, [tokens[-1]], remaining, caches, tokens[:-1])
 
     def step(self, steps: int = 1) -> list[RowEvent]:
-        """Run ``steps`` batch steps (fewer once no row is left); return each row's progress
-        and one delta with the tokens of every step (:func:`merge_steps`).
+        """Run ``steps`` batch steps (fewer once no row is left). Returns each row's latest
+        progress, one output per row with its tokens of every step, then the rows that failed.
+
+        A row's tokens are decoded once, at the end of the call: a stop token or
+        ``max_tokens`` ends a row in the step that reaches it, but a stop string is only seen
+        then, so such a row may have stepped on; the decoder drops its extra tokens.
 
         If this raises, the generator's state is undefined: the caller fails the rows it
         holds and builds a new :class:`BatchEngine`.
         """
-        if steps == 1:
-            return self._step()
-        merged = []
+        progress: dict[int, RowProgress] = {}
+        touched: dict[int, _Row] = {}
         for _ in range(steps):
             if not self.num_active:
                 break
-            merged.append(self._step())
-        return merge_steps(merged)
+            self._step_count += 1
+            self._step(progress, touched)
+            if self._sampler_faults:
+                self._fail_faulted(touched)
+        outputs: list[RowEvent] = []
+        failures: list[RowEvent] = []
+        leaving: list[int] = []
+        for row_id, row in touched.items():
+            output = self._decode(row_id, row)
+            if output is not None and output.stats is not None:  # finished
+                del self._rows[row_id]
+                if (uid := self._detach(row_id, row)) is not None:
+                    leaving.append(uid)
+                outputs.append(output)
+                continue
+            if output is not None:
+                outputs.append(output)
+            if row.failure is not None:
+                del self._rows[row_id]
+                failures.append(RowFailed(row=row_id, message=row.failure))
+            else:
+                assert row.uid is not None or row_id == self.solo_row, (
+                    "mlx-lm finished a row that its decoder did not"
+                )
+        self._remove_uids(leaving)
+        return [*progress.values(), *outputs, *failures]
 
-    def _step(self) -> list[RowEvent]:
+    def _step(self, progress: dict[int, RowProgress], touched: dict[int, _Row]) -> None:
         self._start_solo()
         if self._solo is not None:
-            return self._checked(self._solo_step(self._solo))
+            self._solo_step(self._solo, touched)
+            return
         if not self._row_of_uid:
-            return []
+            return
         prompt_responses, generation_responses = self._generator.next()
-        events: list[RowEvent] = [
-            RowProgress(row=self._row_of_uid[r.uid], done=r.progress[0], total=r.progress[1])
-            for r in prompt_responses
-            if r.uid in self._row_of_uid
-        ]
-        finished_here: list[int] = []
+        for response in prompt_responses:
+            row_id = self._row_of_uid.get(response.uid)
+            if row_id is not None:
+                done, total = response.progress
+                progress[row_id] = RowProgress(row=row_id, done=done, total=total)
         for response in generation_responses:
             row_id = self._row_of_uid.get(response.uid)
             if row_id is None:
                 continue
             row = self._rows[row_id]
             row.decoding = True
-            decoder = row.decoder
-            delta = decoder.feed(response.token, response.logprobs)
-            assert response.finish_reason is None or delta.finish_reason is not None, (
-                "mlx-lm finished a row that its decoder did not"
-            )
-            if delta.finish_reason is None:
-                events.append(RowOutput(row=row_id, delta=delta))
-                continue
-            del self._rows[row_id]
-            del self._row_of_uid[response.uid]
-            events.append(RowOutput(row=row_id, delta=delta, stats=decoder.stats()))
-            if response.finish_reason is None:
-                finished_here.append(response.uid)
-            else:  # mlx-lm dropped the row itself and handed back its cache
+            self._take(row_id, row, response.token, response.logprobs, touched)
+            if response.finish_reason is not None:  # mlx-lm dropped the row, handed back its KV
+                del self._row_of_uid[response.uid]
+                row.uid = None
                 self._commit(list(response.all_tokens or []), response.prompt_cache)
-        self._remove_uids(finished_here)
-        return self._checked(events)
 
-    def _checked(self, events: list[RowEvent]) -> list[RowEvent]:
-        """``events`` with the rows whose sampler failed in this step dropped and failed."""
-        if self._sampler_faults:
-            faults, self._sampler_faults = self._sampler_faults, {}
-            failed = [row for row in faults if row in self._rows]
-            self.remove(failed)
-            failed_set = set(failed)
-            events = [e for e in events if e.row not in failed_set]
-            events += [RowFailed(row=row, message=faults[row]) for row in failed]
-        return events
+    def _take(
+        self, row_id: int, row: _Row, token: int, logprobs: mx.array, touched: dict[int, _Row]
+    ) -> None:
+        row.sampled.append(token)
+        if row.decoder.params.logprobs:
+            row.sampled_logprobs.append(logprobs)
+        row.took_at = self._step_count
+        touched[row_id] = row
+
+    def _decode(self, row_id: int, row: _Row) -> RowOutput | None:
+        """The row's output for this call's tokens (None if it got none); ``stats`` is set if
+        the row finished."""
+        if not row.sampled:
+            return None
+        tokens, row.sampled = row.sampled, []
+        logprobs, row.sampled_logprobs = row.sampled_logprobs, []
+        delta = row.decoder.feed_many(tokens, logprobs if row.decoder.params.logprobs else None)
+        if delta.finish_reason is None:
+            return RowOutput(row=row_id, delta=delta)
+        return RowOutput(row=row_id, delta=delta, stats=row.decoder.stats())
+
+    def _fail_faulted(self, touched: dict[int, _Row]) -> None:
+        """Stop stepping the rows whose sampler failed in this step; the end of the call
+        reports their earlier tokens and then their failure. The token a row got in the
+        failing step is dropped: it may be the failed sampler's placeholder."""
+        faults, self._sampler_faults = self._sampler_faults, {}
+        uids = []
+        for row_id, message in faults.items():
+            row = self._rows.get(row_id)
+            if row is None or row.failure is not None:
+                continue
+            row.failure = message
+            if row.sampled and row.took_at == self._step_count:
+                row.sampled.pop()
+                if row.sampled_logprobs:
+                    row.sampled_logprobs.pop()
+            if (uid := self._detach(row_id, row)) is not None:
+                uids.append(uid)
+            touched[row_id] = row
+        self._remove_uids(uids)
 
     def close(self) -> None:
         """Release every row and the generator."""

@@ -8,6 +8,7 @@ A :class:`RowDecoder` turns each sampled token (and its log-probability vector) 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -62,27 +63,47 @@ class RowDecoder:
 
     def feed(self, token: int, logprobs: mx.array | None) -> Delta:
         """Consume one sampled token; the returned delta carries the finish reason, if any."""
+        return self.feed_many((token,), (logprobs,))
+
+    def feed_many(
+        self, tokens: Sequence[int], logprobs: Sequence[mx.array | None] | None = None
+    ) -> Delta:
+        """Consume the tokens of several steps (``logprobs``: one vector each, or None when
+        the request asked for none) and return one delta for them all. Tokens after the one
+        that ends the generation are dropped: the batch path decodes a row's tokens once per
+        engine call, so it may have sampled a few past a stop string."""
         assert not self.is_finished, "fed a finished row"
         now = time.perf_counter()
         if self._first_token_at is None:
             self._first_token_at = now
-        self._num_generated += 1
-        if token in self.stop_token_ids:
-            text, _ = self._text.finish()
-            return self._finish(Delta(text=text, token_ids=()), "stop", now)
-
-        record = None
-        if self.params.logprobs and logprobs is not None:
-            record = (token_logprob(logprobs, token, self.params.top_logprobs),)
-        text, matched = self._text.push(token)
-        delta = Delta(text=text, token_ids=(token,), logprobs=record)
-        if matched:
-            return self._finish(delta, "stop", now)
-        if self._num_generated >= self.params.max_tokens:
-            tail, matched = self._text.finish()
-            delta = Delta(text=text + tail, token_ids=(token,), logprobs=record)
-            return self._finish(delta, "stop" if matched else "length", now)
-        return delta
+        want_logprobs = self.params.logprobs and logprobs is not None
+        texts: list[str] = []
+        ids: list[int] = []
+        records: list[TokenLogprob] = []
+        reason: FinishReason | None = None
+        for i, token in enumerate(tokens):
+            self._num_generated += 1
+            if token in self.stop_token_ids:
+                texts.append(self._text.finish()[0])
+                reason = "stop"
+                break
+            if want_logprobs:
+                vector = logprobs[i]  # type: ignore[index]
+                if vector is not None:
+                    records.append(token_logprob(vector, token, self.params.top_logprobs))
+            ids.append(token)
+            text, matched = self._text.push(token)
+            texts.append(text)
+            if matched:
+                reason = "stop"
+                break
+            if self._num_generated >= self.params.max_tokens:
+                tail, matched = self._text.finish()
+                texts.append(tail)
+                reason = "stop" if matched else "length"
+                break
+        delta = Delta("".join(texts), tuple(ids), tuple(records) if records else None)
+        return delta if reason is None else self._finish(delta, reason, now)
 
     def _finish(self, delta: Delta, reason: FinishReason, now: float) -> Delta:
         self.finish_reason = reason

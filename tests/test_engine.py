@@ -250,6 +250,43 @@ def test_several_steps_a_call_give_each_row_its_tokens_in_one_event(tiny_engine)
     assert batch.kv_bytes == 0
 
 
+def solo_deltas(engine: Engine, prompt: str, params: SamplingParams) -> tuple[str, list[int], str]:
+    deltas = list(engine.generate(engine.prepare(prompt, params)))
+    text = "".join(d.text for d in deltas)
+    return text, [t for d in deltas for t in d.token_ids], deltas[-1].finish_reason
+
+
+@pytest.mark.parametrize("steps", [3, 8])
+def test_rows_that_end_part_way_through_a_call_match_the_serial_path(tiny_engine, steps):
+    # A stop string is seen only when the call's tokens are decoded, so that row steps past
+    # it; a stop token or max_tokens ends a row in its step, solo or batched.
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    text, tokens, _ = solo_deltas(tiny_engine, PROMPTS[0], greedy)
+    assert len(text) >= 6 and len(tokens) >= 8, text
+    wanted = [
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=(text[3:6],))),
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(tokens[5],))),
+        (PROMPTS[1], SamplingParams(temperature=0, max_tokens=5)),
+    ]
+    expected = [solo_deltas(tiny_engine, p, params) for p, params in wanted]
+    assert expected[0][2] == expected[1][2] == "stop" and expected[2][2] == "length"
+    for together in (wanted, wanted[1:2]):  # in the batch; then a lone row, solo
+        batch = BatchEngine(tiny_engine, max_batch=4)
+        rows = [batch.add(tiny_engine.prepare(p, params)) for p, params in together]
+        got = {row: ("", [], None) for row in rows}
+        while batch.num_rows:
+            for event in batch.step(steps):
+                if isinstance(event, RowOutput):
+                    text, ids, _ = got[event.row]
+                    delta = event.delta
+                    got[event.row] = (text + delta.text, ids + list(delta.token_ids), None)
+                    if event.stats is not None:
+                        got[event.row] = (*got[event.row][:2], delta.finish_reason)
+        want = expected if together is wanted else expected[1:2]
+        assert [got[row] for row in rows] == want
+        assert batch.kv_bytes == 0
+
+
 def test_a_lone_row_goes_solo_and_rejoins_the_batch_when_another_arrives(tiny_engine):
     params = SamplingParams(temperature=0, max_tokens=16)
     expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS[:2]]
