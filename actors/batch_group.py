@@ -14,8 +14,9 @@ does every row in it (the fan-out, its session waking, its consumer waking); tha
 GIL the engine thread needs. When steps are fast (a GPU: 4 ms for one row, 31 ms for 256) it
 would slow decoding down by a seventh at one row and by a third or more at 256, so an engine
 call then runs several steps and each row gets its tokens of all of them in one event
-(:meth:`BatchGroup.steps_per_call`). Rows join, leave and park between calls; while a row waits
-to join, calls are single steps.
+(:meth:`BatchGroup.steps_per_call`): as many as keep the loop's CPU time, measured call by
+call, near ``LOOP_SHARE`` of the call. Rows join, leave and park between calls; while a row
+waits to join, calls are single steps.
 """
 
 from __future__ import annotations
@@ -46,13 +47,9 @@ from mlx_trio.engine.params import PreparedRequest
 
 logger = logging.getLogger(__name__)
 
-# The event loop's work per engine call and per row in it, measured on the 2-core development
-# machine: a lone row on a tiny model took 0.45 ms longer a token through the runtime than
-# generate_step alone; a scripted engine at 256 rows cost 28 us a row-token (about 6 of them
-# the scripted engine's own).
-CALL_COST_S = 400e-6
-ROW_COST_S = 25e-6
-LOOP_SHARE = 0.05  # what that work may add to an engine call
+# The event loop's CPU time per engine call (fan-out, sessions and consumers waking, HTTP
+# streaming) may add at most this share to the call's steps; it is measured as the calls run.
+LOOP_SHARE = 0.03
 MAX_STEPS_PER_CALL = 8
 
 
@@ -121,6 +118,8 @@ class BatchGroup:
         self.admission_window_s = admission_window_s
         self.fixed_steps_per_call = steps_per_call
         self._step_s: float | None = None  # a moving average of one step's time
+        self._loop_s: float | None = None  # ... and of the event loop's CPU time per call
+        self._loop_mark: float | None = None  # the loop thread's CPU clock at the last call
         self.step_timeout_s = step_timeout_s
         self.inbox, self._recv = trio.open_memory_channel[BatchMessage](inbox_size)
         self._arbiter = arbiter
@@ -238,6 +237,8 @@ class BatchGroup:
             await self._drop_departed()
             if self._num_active() > 0:
                 await self._step()
+            else:
+                self._loop_mark = None  # idle: the next call starts a new measurement
             if not self._members and (self._draining or not self._pending):
                 lease, self._lease = self._lease, None
                 self._draining = False
@@ -269,19 +270,23 @@ class BatchGroup:
 
     def steps_per_call(self) -> int:
         """Steps for the next engine call: 1 while rows wait to join or a drain waits, else
-        enough that the event loop's work for the call (``CALL_COST_S`` plus ``ROW_COST_S`` a
-        row) stays near ``LOOP_SHARE`` of it. A row's first token may then come up to a call
-        late: a few steps, against the many a large batch's prefill takes anyway."""
+        enough that the event loop's CPU time per call (measured: the thread's CPU clock from
+        one call to the next) stays near ``LOOP_SHARE`` of the call, since it holds the GIL
+        the engine thread needs. A row's first token may then come up to a call late: a few
+        steps, against the many a large batch's prefill takes anyway."""
         if self.fixed_steps_per_call is not None:
             return self.fixed_steps_per_call
-        if self._step_s is None or self._can_admit() or self._draining:
+        if self._step_s is None or self._loop_s is None or self._can_admit() or self._draining:
             return 1
-        loop_s = CALL_COST_S + self._num_active() * ROW_COST_S
-        wanted = loop_s / (LOOP_SHARE * max(self._step_s, 1e-6))
+        wanted = self._loop_s / (LOOP_SHARE * max(self._step_s, 1e-6))
         return max(1, min(MAX_STEPS_PER_CALL, math.ceil(wanted)))
 
     async def _step(self) -> None:
         self._steps += 1
+        mark = self.engine.loop_cpu_s()
+        if self._loop_mark is not None:
+            self._loop_s = _moving_average(self._loop_s, mark - self._loop_mark)
+        self._loop_mark = mark
         steps = self.steps_per_call()
         started = trio.current_time()
         try:
@@ -299,8 +304,7 @@ class BatchGroup:
             await self._fail_all(lambda _row: Abandoned(message))
             return
         self._consecutive_faults = 0
-        step_s = (trio.current_time() - started) / steps
-        self._step_s = step_s if self._step_s is None else 0.7 * self._step_s + 0.3 * step_s
+        self._step_s = _moving_average(self._step_s, (trio.current_time() - started) / steps)
         by_row = {m.row: k for k, m in self._members.items()}
         for event in events:
             key = by_row.get(event.row)
@@ -356,3 +360,7 @@ class BatchGroup:
             await self.inbox.send(ReaderGone(key))
             return
         await self.inbox.send(BacklogDelivered(key))
+
+
+def _moving_average(average: float | None, sample: float) -> float:
+    return sample if average is None else 0.7 * average + 0.3 * sample

@@ -105,6 +105,9 @@ class FaultyEngine:
     def prompt_cache_statistics(self) -> PromptCacheStatistics | None:
         return self.inner.prompt_cache_statistics()
 
+    def loop_cpu_s(self) -> float:
+        return self.inner.loop_cpu_s()
+
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return self.inner.unbatchable_reason(request)
 

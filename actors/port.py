@@ -42,6 +42,13 @@ class EnginePort(Protocol):
         """Why this request must take the serial lane, or None if it can batch."""
         ...
 
+    def loop_cpu_s(self) -> float:
+        """The event loop's CPU time so far, as it bears on this engine; called from the loop.
+        The batch group picks its steps per call from it. An engine on its own thread reads
+        the loop thread's CPU clock (that work holds the GIL the engine needs); a scripted one
+        returns a modeled cost, so that runs under a virtual clock stay deterministic."""
+        ...
+
     async def serial_start(self, request: PreparedRequest) -> None:
         """Begin the single serial run (its events carry row id 0)."""
         ...

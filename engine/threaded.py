@@ -7,6 +7,7 @@ batch step; it touches only the tokenizer, not MLX.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -103,6 +104,9 @@ class ThreadedEngine:
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return None
+
+    def loop_cpu_s(self) -> float:
+        return time.thread_time()
 
     # -- serial -----------------------------------------------------------------------------
 

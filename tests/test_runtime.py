@@ -82,7 +82,8 @@ async def test_concurrent_sessions_get_their_own_tokens(autojump_clock):
 
 
 async def test_long_prompt_reports_progress_then_text(autojump_clock):
-    async with scripted(Script(prefill_chunk=64)) as (rt, _):
+    # One step a call: a call of several steps reports only its latest progress.
+    async with scripted(Script(prefill_chunk=64), steps_per_call=1) as (rt, _):
         handle = await rt.submit(request("x" * 200, max_tokens=2))
         events = [event async for event in handle]
         progress = [e for e in events if isinstance(e, Progress)]
@@ -221,7 +222,9 @@ async def test_a_stalled_consumer_neither_slows_the_batch_nor_lives_past_its_idl
     autojump_clock,
 ):
     script = Script(step_s=0.01)
-    async with scripted(script, event_buffer=4, idle_timeout_s=5.0) as (rt, _engine):
+    # One event a step, so that the stalled row's buffers fill within the fast row's 40 steps.
+    config = dict(event_buffer=4, idle_timeout_s=5.0, steps_per_call=1)
+    async with scripted(script, **config) as (rt, _engine):
         stalled = await rt.submit(request("stalled", max_tokens=200))
         started = trio.current_time()
         fast = await rt.collect(request("fast", max_tokens=40))
