@@ -67,7 +67,9 @@ class EnginePort(Protocol):
 
     async def batch_step(self, steps: int = 1) -> list[RowEvent]:
         """``steps`` times: one decode step for generating rows plus one prefill chunk for the
-        others. Each row's tokens of those steps come as one ``RowOutput``."""
+        others; fewer once no row is left or a row got its first token, so that a first token
+        never waits for the rest of a call. Each row's tokens of the call come as one
+        ``RowOutput``."""
         ...
 
     async def batch_remove(self, rows: list[int]) -> None: ...

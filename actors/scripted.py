@@ -108,6 +108,7 @@ class ScriptedEngine:
         self.num_batch_steps = 0
         self.num_batch_calls = 0
         self._loop_cpu_s = 0.0
+        self._first_token = False
         self.num_serial_steps = 0
         self.max_active_rows = 0
         self.call_log: list[str] = []
@@ -220,7 +221,11 @@ class ScriptedEngine:
         await self._enter("batch_step", "batch")
         try:
             self.num_batch_calls += 1
-            events = merge_steps([await self._one_step() for _ in range(steps)])
+            done: list[list[RowEvent]] = []
+            self._first_token = False  # like the real engine, a first token ends the call
+            while len(done) < steps and not self._first_token:
+                done.append(await self._one_step())
+            events = merge_steps(done)
             self._loop_cpu_s += LOOP_CALL_S + LOOP_ROW_S * len({e.row for e in events})
             return events
         finally:
@@ -242,6 +247,7 @@ class ScriptedEngine:
                 row.prefilled = min(row.prompt_len, row.prefilled + self.script.prefill_chunk)
                 events.append(RowProgress(row_id, row.prefilled, row.prompt_len))
                 continue
+            self._first_token |= row.generated == 0
             event = self._emit(row_id, row)
             events.append(event)
             if _ends(event):

@@ -100,6 +100,7 @@ class BatchEngine:
         self._solo_enabled = solo
         self._solo: _Solo | None = None
         self._step_count = 0
+        self._first_token = False  # a row got its first token in this call's steps
         self.max_batch = max_batch
 
     @property
@@ -312,7 +313,8 @@ class BatchEngine:
         self._insert(row_id, row, [tokens[-1]], remaining, caches, tokens[:-1])
 
     def step(self, steps: int = 1) -> list[RowEvent]:
-        """Run ``steps`` batch steps (fewer once no row is left). Returns each row's latest
+        """Run ``steps`` batch steps, fewer once no row is left or a row got its first token
+        (a first token never waits for the rest of a call). Returns each row's latest
         progress, one output per row with its tokens of every step, then the rows that failed.
 
         A row's tokens are decoded once, at the end of the call: a stop token or
@@ -324,8 +326,9 @@ class BatchEngine:
         """
         progress: dict[int, RowProgress] = {}
         touched: dict[int, _Row] = {}
+        self._first_token = False
         for _ in range(steps):
-            if not self.num_active:
+            if not self.num_active or self._first_token:
                 break
             self._step_count += 1
             self._step(progress, touched)
@@ -382,6 +385,7 @@ class BatchEngine:
     def _take(
         self, row_id: int, row: _Row, token: int, logprobs: mx.array, touched: dict[int, _Row]
     ) -> None:
+        self._first_token |= not row.sampled and row.decoder.num_generated == 0
         row.sampled.append(token)
         if row.decoder.params.logprobs:
             row.sampled_logprobs.append(logprobs)

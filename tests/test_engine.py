@@ -287,6 +287,22 @@ def test_rows_that_end_part_way_through_a_call_match_the_serial_path(tiny_engine
         assert batch.kv_bytes == 0
 
 
+def test_a_first_token_ends_the_call_that_produced_it(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    running = batch.add(tiny_engine.prepare(PROMPTS[0], params))
+    while not any(isinstance(e, RowOutput) for e in batch.step()):
+        pass
+    assert len(next(e for e in batch.step(8) if isinstance(e, RowOutput)).delta.token_ids) == 8
+    arriving = batch.add(tiny_engine.prepare(PROMPTS[1], params))
+    outputs: dict[int, RowOutput] = {}
+    while arriving not in outputs:
+        outputs = {e.row: e for e in batch.step(8) if isinstance(e, RowOutput)}
+    assert len(outputs[arriving].delta.token_ids) == 1
+    assert len(outputs[running].delta.token_ids) < 8  # the call stopped short
+    batch.remove([running, arriving])
+
+
 def test_a_lone_row_goes_solo_and_rejoins_the_batch_when_another_arrives(tiny_engine):
     params = SamplingParams(temperature=0, max_tokens=16)
     expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS[:2]]

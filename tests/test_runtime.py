@@ -401,4 +401,5 @@ async def test_several_steps_a_call_still_cancel_and_count_tokens(autojump_clock
         outcome = await running.cancel()
         assert isinstance(outcome, Cancelled) and outcome.reason == "requested"
         assert 0 < outcome.usage.completion_tokens < 100
-    assert engine.num_batch_steps == 4 * engine.num_batch_calls
+    # Four steps a call, but for the two calls that gave a row its first token.
+    assert 4 * (engine.num_batch_calls - 2) <= engine.num_batch_steps < 4 * engine.num_batch_calls
