@@ -201,7 +201,7 @@ class TokenIdPort:
     def __init__(self, inner: ThreadedEngine, prompt_tokens: int) -> None:
         self._inner = inner
         self._prompt_tokens = prompt_tokens
-        self._calls: list[tuple[int, float]] = []  # (steps, seconds) of each batch_step call
+        self._calls: list[tuple[int, float]] = []  # (steps run, seconds) of each batch_step
         self._gaps: list[float] = []
         self._last_end: float | None = None
 
@@ -224,9 +224,10 @@ class TokenIdPort:
         start = time.perf_counter()
         if self._last_end is not None:
             self._gaps.append(start - self._last_end)
+        before = self._inner.batch_steps_run
         events = await self._inner.batch_step(steps)
         self._last_end = time.perf_counter()
-        self._calls.append((steps, self._last_end - start))
+        self._calls.append((self._inner.batch_steps_run - before, self._last_end - start))
         return events
 
     def take_step_times(self) -> dict[str, float]:

@@ -114,6 +114,11 @@ class BatchEngine:
         return len(self._row_of_uid) + (self._solo is not None)
 
     @property
+    def steps_run(self) -> int:
+        """Steps run so far (a call of several may stop short)."""
+        return self._step_count
+
+    @property
     def solo_row(self) -> int | None:
         """The row stepped by ``generate_step``, if one is."""
         return self._solo.row_id if self._solo is not None else None

@@ -77,6 +77,8 @@ class RowDecoder:
         if self._first_token_at is None:
             self._first_token_at = now
         want_logprobs = self.params.logprobs and logprobs is not None
+        if not want_logprobs and not self._text.has_stops:
+            return self._feed_plain(tokens, now)
         texts: list[str] = []
         ids: list[int] = []
         records: list[TokenLogprob] = []
@@ -103,6 +105,24 @@ class RowDecoder:
                 reason = "stop" if matched else "length"
                 break
         delta = Delta("".join(texts), tuple(ids), tuple(records) if records else None)
+        return delta if reason is None else self._finish(delta, reason, now)
+
+    def _feed_plain(self, tokens: Sequence[int], now: float) -> Delta:
+        """:meth:`feed_many` without stop strings or logprobs: where the generation ends is
+        known from the ids alone, and the text of all kept tokens is decoded at once."""
+        kept = tokens[: self.params.max_tokens - self._num_generated]
+        reason: FinishReason | None = None
+        if not self.stop_token_ids.isdisjoint(kept):
+            end = next(i for i, t in enumerate(kept) if t in self.stop_token_ids)
+            kept, reason = kept[:end], "stop"
+            self._num_generated += 1  # the stop token counts, but is not emitted
+        self._num_generated += len(kept)
+        text = self._text.extend(kept)
+        if reason is None and self._num_generated >= self.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            text += self._text.finish()[0]
+        delta = Delta(text, tuple(kept))
         return delta if reason is None else self._finish(delta, reason, now)
 
     def _finish(self, delta: Delta, reason: FinishReason, now: float) -> Delta:

@@ -54,6 +54,7 @@ class ThreadedEngine:
         self._serial_generation = None
         self._serial_progress: list[RowProgress] = []
         self._kv_bytes = 0
+        self.batch_steps_run = 0  # batch steps run (a call may stop short of those asked)
 
     @classmethod
     async def load(
@@ -168,7 +169,13 @@ class ThreadedEngine:
         return await self._batch_call(lambda batch: batch.add(request))
 
     async def batch_step(self, steps: int = 1) -> list[RowEvent]:
-        return await self._batch_call(lambda batch: batch.step(steps))
+        def step(batch: BatchEngine) -> list[RowEvent]:
+            before = batch.steps_run
+            events = batch.step(steps)
+            self.batch_steps_run += batch.steps_run - before
+            return events
+
+        return await self._batch_call(step)
 
     async def batch_remove(self, rows: list[int]) -> None:
         await self._batch_call(lambda batch: batch.remove(rows))

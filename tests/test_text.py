@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from mlx_trio.engine.text import StopStringMatcher, TextStream
+from mlx_trio.engine.text import StopStringMatcher, TextStream, byte_level_table
 from tests.tiny import make_tokenizer
 
 
@@ -70,3 +72,28 @@ def test_stream_cuts_at_stop_string_split_over_byte_tokens():
             break
     assert matched
     assert "".join(emitted) == "caf"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_byte_level_text_matches_mlx_lm_in_any_chunking(seed):
+    # Random ids (bytes that make broken UTF-8 too, merges, special tokens), cut into calls
+    # of random sizes: the same text as mlx-lm's BPEStreamingDetokenizer, one space dropped
+    # at the start included.
+    tokenizer = make_tokenizer()
+    assert byte_level_table(tokenizer) is not None
+    rng = random.Random(seed)
+    space = byte_tokens(tokenizer, " ")
+    ids = space * 2 + [rng.randrange(len(tokenizer)) for _ in range(300)]
+    reference = tokenizer.detokenizer
+    for token in ids:
+        reference.add_token(token)
+    reference.finalize()
+    stream = TextStream(tokenizer)
+    pieces, start = [], 0
+    while start < len(ids):
+        size = rng.randint(1, 9)
+        pieces.append(stream.extend(ids[start : start + size]))
+        start += size
+    pieces.append(stream.finish()[0])
+    assert "".join(pieces) == reference.text
+    assert reference.text.startswith(" ")  # of the two spaces, one was dropped
