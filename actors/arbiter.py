@@ -163,16 +163,18 @@ async def acquire(arbiter: trio.MemorySendChannel[ArbiterMessage], kind: LeaseKi
     """Wait for the engine lease.
 
     If cancelled while waiting, the request is withdrawn (a drain it caused ends) and no lease
-    is held; a lease granted in that same instant is handed straight back.
+    is held; a lease granted in that same instant is handed straight back. The reply channel
+    closes without a checkpoint: an ``async with`` would be one, and a cancellation there
+    would drop a lease already received.
     """
     send, recv = trio.open_memory_channel[Lease](1)
-    async with recv:
+    with recv:
         await arbiter.send(Acquire(kind, send))
         try:
             return await recv.receive()
         except BaseException:
             with trio.move_on_after(1.0, shield=True):
                 lease = take_buffered(recv, Lease)
-                await recv.aclose()
+                recv.close()
                 await arbiter.send(Withdrawn() if lease is None else Release(lease))
             raise

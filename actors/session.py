@@ -130,7 +130,7 @@ class Session:
 
     async def _generate(self) -> Outcome:
         send, recv = trio.open_memory_channel[LaneEvent](LANE_BUFFER)
-        async with recv:
+        with recv:  # closed without a checkpoint, which could turn an outcome into Cancelled
             if self.lane == "serial":
                 lease = await acquire(self._links.arbiter, "serial")
                 self._links.serial.send_nowait(SerialJob(self.request, lease, send))

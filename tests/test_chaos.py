@@ -293,6 +293,22 @@ async def run_script(ops: list) -> None:
             assert outcome.usage.completion_tokens == request.params.max_tokens
 
 
+async def run_script_within(ops: list, seconds: float) -> None:
+    with trio.fail_after(seconds):
+        await run_script(ops)
+
+
+def test_a_lease_granted_as_its_serial_request_is_cancelled_goes_back():
+    # Found by the operation scripts: the lease a serial request received in the instant it
+    # was cancelled was dropped (the reply channel's async close raised Cancelled), so the
+    # engine stayed leased and the batch request behind it never ran. Trio shuffles the
+    # order of runnable tasks, so the race is run many times (it hung a third of them).
+    ops = [Submit("a", 1, True), Submit("a", 1, False), Cancel(0)]
+    for _ in range(60):
+        clock = trio.testing.MockClock(autojump_threshold=0)
+        trio.run(run_script_within, ops, 60.0, clock=clock)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(operations)
 def test_operation_scripts_keep_the_invariants(ops):
