@@ -248,16 +248,25 @@ class BatchGroup:
             await self._arbiter.send(Acquire("batch", self.inbox))
 
     async def _admit(self) -> None:
-        while self._can_admit():
+        """Add the waiting rows that fit, in one engine call."""
+        adds: list[AddRow] = []
+        while self._can_admit() and len(self._members) + len(adds) < self.max_batch:
             add = self._pending.popleft()
-            if receiver_left(add.events):
-                continue
-            try:
-                row = await self.engine.batch_add(add.request)
-            except Exception as exc:  # the batch is unchanged: only this row fails
-                self._faults += 1
-                logger.exception("the engine could not add a row")
+            if not receiver_left(add.events):
+                adds.append(add)
+        if not adds:
+            return
+        try:
+            rows = await self.engine.batch_add([add.request for add in adds])
+        except Exception as exc:  # the call itself failed: these rows fail, the batch resets
+            for add in adds:
                 offer(add.events, LaneFailed(f"engine error: {type(exc).__name__}: {exc}"))
+            raise
+        for add, row in zip(adds, rows, strict=True):
+            if isinstance(row, Exception):  # the batch is unchanged: only this row fails
+                self._faults += 1
+                logger.error("the engine could not add a row", exc_info=row)
+                offer(add.events, LaneFailed(f"engine error: {type(row).__name__}: {row}"))
                 continue
             self._members[next(self._keys)] = _Member(add.events, row)
             self._rows_submitted += 1

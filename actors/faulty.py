@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -138,18 +138,23 @@ class FaultyEngine:
 
     # -- the batch lane ---------------------------------------------------------------------
 
-    async def batch_add(self, request: PreparedRequest) -> int:
-        number = self._request_of.get(request.prompt_tokens)
-        fault = self._row_faults.get(number) if number is not None else None
-        if fault is not None and fault.kind == "add_error":
-            self._record("add_error", None, [number])
-            raise MemoryError("injected: no KV memory left to admit this request")
-        row = await self.inner.batch_add(request)
-        if number is not None:
-            self._rows[row] = number
-            self._generated[row] = 0
-            self._prefilling.add(row)
-        return row
+    async def batch_add(self, requests: Sequence[PreparedRequest]) -> list[int | Exception]:
+        numbers = [self._request_of.get(r.prompt_tokens) for r in requests]
+        results: list[int | Exception | None] = [None] * len(requests)
+        for i, number in enumerate(numbers):
+            fault = self._row_faults.get(number) if number is not None else None
+            if fault is not None and fault.kind == "add_error":
+                self._record("add_error", None, [number])
+                results[i] = MemoryError("injected: no KV memory left to admit this request")
+        passed = [i for i, result in enumerate(results) if result is None]
+        added = await self.inner.batch_add([requests[i] for i in passed]) if passed else []
+        for i, row in zip(passed, added, strict=True):
+            results[i] = row
+            if isinstance(row, int) and numbers[i] is not None:
+                self._rows[row] = numbers[i]
+                self._generated[row] = 0
+                self._prefilling.add(row)
+        return [r for r in results if r is not None]
 
     async def batch_step(self, steps: int = 1) -> list[RowEvent]:
         """A step fault's ``at_step`` counts calls (each may run several steps)."""

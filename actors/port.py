@@ -10,6 +10,7 @@ and serial and batch calls never interleave while rows or a serial run are live 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent
@@ -61,8 +62,9 @@ class EnginePort(Protocol):
         """End the serial run, finished or not, and free its KV."""
         ...
 
-    async def batch_add(self, request: PreparedRequest) -> int:
-        """Queue a row for the batch; returns its row id."""
+    async def batch_add(self, requests: Sequence[PreparedRequest]) -> list[int | Exception]:
+        """Queue rows for the batch in one call: for each request its row id, or the error
+        that kept it out (the batch is then unchanged for it; the others are added)."""
         ...
 
     async def batch_step(self, steps: int = 1) -> list[RowEvent]:

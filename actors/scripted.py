@@ -12,7 +12,7 @@ its prompt and ``i``, so outputs are the same alone or in any batch, and its tex
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -207,13 +207,15 @@ class ScriptedEngine:
 
     # -- the batch lane ---------------------------------------------------------------------
 
-    async def batch_add(self, request: PreparedRequest) -> int:
+    async def batch_add(self, requests: Sequence[PreparedRequest]) -> list[int | Exception]:
         await self._enter("batch_add", "batch")
         try:
-            row = self._next_row
-            self._next_row += 1
-            self._rows[row] = _Row(request, self._fault_at(request))
-            return row
+            rows: list[int | Exception] = []
+            for request in requests:
+                rows.append(self._next_row)
+                self._rows[self._next_row] = _Row(request, self._fault_at(request))
+                self._next_row += 1
+            return rows
         finally:
             self._leave()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import trio
@@ -165,8 +165,17 @@ class ThreadedEngine:
 
         return await self.thread.run(call)
 
-    async def batch_add(self, request: PreparedRequest) -> int:
-        return await self._batch_call(lambda batch: batch.add(request))
+    async def batch_add(self, requests: Sequence[PreparedRequest]) -> list[int | Exception]:
+        def add(batch: BatchEngine) -> list[int | Exception]:
+            rows: list[int | Exception] = []
+            for request in requests:
+                try:
+                    rows.append(batch.add(request))
+                except Exception as exc:  # a failed add changes nothing: only this row fails
+                    rows.append(exc)
+            return rows
+
+        return await self._batch_call(add)
 
     async def batch_step(self, steps: int = 1) -> list[RowEvent]:
         def step(batch: BatchEngine) -> list[RowEvent]:

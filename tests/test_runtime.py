@@ -285,6 +285,41 @@ async def test_a_failing_step_fails_only_its_rows_and_the_runtime_keeps_serving(
         assert stats.is_healthy
 
 
+class RefusingEngine(ScriptedEngine):
+    """Refuses the rows whose prompt starts with "refuse"; the first add call with a prompt
+    starting with "crash" raises as a whole."""
+
+    crashed = False
+
+    async def batch_add(self, requests):
+        texts = ["".join(map(chr, r.prompt_tokens)) for r in requests]
+        if not self.crashed and any(t.startswith("crash") for t in texts):
+            self.crashed = True
+            raise RuntimeError("the add call broke")
+        taken = [r for r, t in zip(requests, texts, strict=True) if not t.startswith("refuse")]
+        rows = iter(await super().batch_add(taken))
+        return [MemoryError("no room") if t.startswith("refuse") else next(rows) for t in texts]
+
+
+async def test_rows_added_in_one_call_fail_alone_or_all_together(autojump_clock):
+    engine = RefusingEngine(Script())
+    async with open_runtime(engine=engine, max_batch=8) as rt:
+        handles = {t: await rt.submit(request(t, max_tokens=4)) for t in ("a", "refuse", "b")}
+        refused = await handles["refuse"].result()
+        assert isinstance(refused, Failed) and "MemoryError: no room" in refused.message
+        for text in ("a", "b"):
+            assert isinstance(await handles[text].result(), Completed)
+        assert engine.call_log.count("batch_add") == 1  # the three arrived together
+
+        crashed = [await rt.submit(request(f"crash {i}", max_tokens=4)) for i in range(2)]
+        outcomes = [await h.result() for h in crashed]
+        assert all(isinstance(o, Failed) and "the add call broke" in o.message for o in outcomes)
+        after = await rt.collect(request("after", max_tokens=4))
+        assert after.token_ids == tokens_for("after", 4)
+        await trio.testing.wait_all_tasks_blocked()
+        assert_quiescent(rt, engine)
+
+
 async def test_a_failing_row_sampler_fails_only_that_row(autojump_clock):
     async with scripted(Script(row_faults={"bad": 2})) as (rt, _):
         bad = await rt.submit(request("bad", max_tokens=8))
