@@ -57,8 +57,8 @@ class RuntimeConfig:
     ``unhealthy_after_faults``: consecutive step faults that make ``is_healthy`` false.
     ``admission_window_s``: how long an empty batch waits for more arrivals before its first
     step, so a burst is prefilled together. ``steps_per_call``: batch steps per engine call
-    (tokens per row per event); None picks it per call, 1 unless many rows make the event
-    loop's per-row work a noticeable share of a fast step (see ``BatchGroup``).
+    (tokens per row per event); None picks it per call, 1 unless the event loop's measured CPU
+    time per call is a noticeable share of the call's steps (see ``BatchGroup``).
     """
 
     max_batch: int = 8
