@@ -281,8 +281,8 @@ class BatchGroup:
         """Steps for the next engine call: 1 while rows wait to join or a drain waits, else
         enough that the event loop's CPU time per call (measured: the thread's CPU clock from
         one call to the next) stays near ``LOOP_SHARE`` of the call, since it holds the GIL
-        the engine thread needs. A row's first token may then come up to a call late: a few
-        steps, against the many a large batch's prefill takes anyway."""
+        the engine thread needs. A first token does not wait for the rest of a call: the engine
+        ends the call in the step that produced it."""
         if self.fixed_steps_per_call is not None:
             return self.fixed_steps_per_call
         if self._step_s is None or self._loop_s is None or self._can_admit() or self._draining:
