@@ -735,6 +735,17 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def paired_ratio(entry: dict, system: str, base: str, concurrency: int) -> float | None:
+    """The median over waves of ``system``'s rate over the ``base`` wave of the same round
+    (and repeat): steadier than a ratio of medians when the host drifts."""
+    cells = entry.get("results", {})
+    a = cells.get(system, {}).get(str(concurrency))
+    b = cells.get(base, {}).get(str(concurrency))
+    if not a or not b or len(a["tok_s"]) != len(b["tok_s"]) or not a["tok_s"]:
+        return None
+    return statistics.median(x / y for x, y in zip(a["tok_s"], b["tok_s"], strict=True))
+
+
 def summarize(doc: dict) -> dict:
     """Per model: median tok/s per system and streams, ratios to raw, the bandwidth gap."""
     summary = {}
@@ -752,6 +763,11 @@ def summarize(doc: dict) -> dict:
                 single = row["raw generate_step"]
                 row["in-process / raw generate_step"] = ratio(row["mlx-trio in-process"], single)
                 row["serial / raw generate_step"] = ratio(row["mlx-trio serial"], single)
+            base = "raw generate_step" if concurrency == 1 else "raw BatchGenerator"
+            row["paired"] = {
+                system: paired_ratio(entry, system, base, concurrency)
+                for system in ("mlx-trio in-process", "mlx-trio HTTP")
+            }
             rows.append(row)
         limit = entry.get("bandwidth_limit_steps_s")
         singles = [median_rate(entry, s, 1) for s in SYSTEMS if s != "mlx-trio HTTP"]
@@ -793,6 +809,17 @@ def table(doc: dict) -> str:
                     base = row["raw BatchGenerator"]
                 cells.append(_cell(row[system], base))
             lines.append(f"| {row['streams']} | " + " | ".join(cells) + " |")
+        paired = [
+            f"{row['streams']}: "
+            + ", ".join(f"{system} {r:.2f}x" for system, r in row["paired"].items() if r)
+            for row in model["rows"]
+            if any(row["paired"].values())
+        ]
+        if paired:
+            lines.append(
+                "\npaired (median over waves of the ratio to the raw wave of the same round; raw "
+                "generate_step at 1 stream):\n" + "\n".join(paired)
+            )
         on_gpu = doc["machine"]["device"] == "gpu"
         if on_gpu and model["bandwidth_limit_steps_s"] and model["best_single_stream_tok_s"]:
             lines.append(
