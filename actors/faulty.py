@@ -140,21 +140,23 @@ class FaultyEngine:
 
     async def batch_add(self, requests: Sequence[PreparedRequest]) -> list[int | Exception]:
         numbers = [self._request_of.get(r.prompt_tokens) for r in requests]
-        results: list[int | Exception | None] = [None] * len(requests)
+        refused: dict[int, Exception] = {}
         for i, number in enumerate(numbers):
             fault = self._row_faults.get(number) if number is not None else None
             if fault is not None and fault.kind == "add_error":
                 self._record("add_error", None, [number])
-                results[i] = MemoryError("injected: no KV memory left to admit this request")
-        passed = [i for i, result in enumerate(results) if result is None]
-        added = await self.inner.batch_add([requests[i] for i in passed]) if passed else []
-        for i, row in zip(passed, added, strict=True):
-            results[i] = row
-            if isinstance(row, int) and numbers[i] is not None:
-                self._rows[row] = numbers[i]
+                refused[i] = MemoryError("injected: no KV memory left to admit this request")
+        passed = [r for i, r in enumerate(requests) if i not in refused]
+        added = iter(await self.inner.batch_add(passed) if passed else [])
+        results: list[int | Exception] = []
+        for i, number in enumerate(numbers):
+            row = refused[i] if i in refused else next(added)
+            if isinstance(row, int) and number is not None:
+                self._rows[row] = number
                 self._generated[row] = 0
                 self._prefilling.add(row)
-        return [r for r in results if r is not None]
+            results.append(row)
+        return results
 
     async def batch_step(self, steps: int = 1) -> list[RowEvent]:
         """A step fault's ``at_step`` counts calls (each may run several steps)."""
