@@ -12,7 +12,7 @@ its prompt and ``i``, so outputs are the same alone or in any batch, and its tex
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -27,7 +27,6 @@ from mlx_trio.engine.outputs import (
     RowOutput,
     RowProgress,
     TokenLogprob,
-    merge_steps,
 )
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt, check_fits, check_messages
@@ -227,7 +226,7 @@ class ScriptedEngine:
             self._first_token = False  # like the real engine, a first token ends the call
             while len(done) < steps and not self._first_token:
                 done.append(await self._one_step())
-            events = merge_steps(done)
+            events = _merge_steps(done)
             self._loop_cpu_s += LOOP_CALL_S + LOOP_ROW_S * len({e.row for e in events})
             return events
         finally:
@@ -330,3 +329,31 @@ def _ends(event: RowEvent) -> bool:
     return isinstance(event, RowFailed) or (
         isinstance(event, RowOutput) and event.stats is not None
     )
+
+
+def _merge_steps(steps: Iterable[list[RowEvent]]) -> list[RowEvent]:
+    """The events of a call's steps as one list: for each row its latest progress, one output
+    with the tokens of every step, then its failure (what the real engine returns)."""
+    progress: dict[int, RowProgress] = {}
+    outputs: dict[int, RowOutput] = {}
+    failures: list[RowFailed] = []
+    for events in steps:
+        for event in events:
+            match event:
+                case RowProgress(row=row):
+                    progress[row] = event
+                case RowOutput(row=row):
+                    earlier = outputs.get(row)
+                    outputs[row] = event if earlier is None else _join(earlier, event)
+                case RowFailed():
+                    failures.append(event)
+    return [*progress.values(), *outputs.values(), *failures]
+
+
+def _join(first: RowOutput, then: RowOutput) -> RowOutput:
+    a, b = first.delta, then.delta
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = (a.logprobs or ()) + (b.logprobs or ())
+    delta = Delta(a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason)
+    return RowOutput(first.row, delta, then.stats)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,34 +79,6 @@ class RowFailed:
 
 
 RowEvent = RowProgress | RowOutput | RowFailed
-
-
-def merge_steps(steps: Iterable[list[RowEvent]]) -> list[RowEvent]:
-    """The events of consecutive batch steps as one step's: for each row its latest progress,
-    one output with the tokens of every step, then its failure."""
-    progress: dict[int, RowProgress] = {}
-    outputs: dict[int, RowOutput] = {}
-    failures: list[RowFailed] = []
-    for events in steps:
-        for event in events:
-            match event:
-                case RowProgress(row=row):
-                    progress[row] = event
-                case RowOutput(row=row):
-                    earlier = outputs.get(row)
-                    outputs[row] = event if earlier is None else _join(earlier, event)
-                case RowFailed():
-                    failures.append(event)
-    return [*progress.values(), *outputs.values(), *failures]
-
-
-def _join(first: RowOutput, then: RowOutput) -> RowOutput:
-    a, b = first.delta, then.delta
-    logprobs = None
-    if a.logprobs is not None or b.logprobs is not None:
-        logprobs = (a.logprobs or ()) + (b.logprobs or ())
-    delta = Delta(a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason)
-    return RowOutput(first.row, delta, then.stats)
 
 
 @dataclass(frozen=True, slots=True)
