@@ -1,22 +1,22 @@
 """The batch group: continuous batching, one engine step at a time.
 
-An actor with one inbox. Sessions send :class:`AddRow` with their own event channel; the group
-asks the arbiter for the engine lease when it has work, admits rows up to ``max_batch`` (none
-while draining), steps the engine, and fans each row's events out to its session with
-``send_nowait``, so one slow reader never slows the batch: when a session's channel is full the
-row is parked (its KV leaves the batch) and a small delivery task waits for the reader, then asks
-the group to resume it. A session that left (its channel closed) loses its row before the next
-step. A step that raises fails the rows of that step and the batch is rebuilt; a step that passes
-the watchdog abandons them. The lease goes back when no row is left.
+An actor with one inbox. Sessions send :class:`AddRow` with their own :class:`SessionInbox`;
+the group asks the arbiter for the engine lease when it has work, admits rows up to
+``max_batch`` (none while draining), steps the engine, and fans each row's events out to its
+session with ``send_nowait``, so one slow reader never slows the batch: when a session's inbox
+is full the row is parked (its KV leaves the batch) and a small delivery task waits for the
+reader, then asks the group to resume it. A session that left (closed its inbox) loses its row
+before the next step. A step that raises fails the rows of that step and the batch is rebuilt;
+a step that passes the watchdog abandons them. The lease goes back when no row is left.
 
 Every engine call costs the event loop some work (the thread hop, this actor waking) and so
-does every row in it (the fan-out, its session waking, its consumer waking); that work holds the
-GIL the engine thread needs. When steps are fast (a GPU: 4 ms for one row, 31 ms for 256) it
-would slow decoding down by a seventh at one row and by a third or more at 256, so an engine
-call then runs several steps and each row gets its tokens of all of them in one event
-(:meth:`BatchGroup.steps_per_call`): as many as keep the loop's CPU time, measured call by
-call, near ``LOOP_SHARE`` of the call. Rows join, leave and park between calls; while a row
-waits to join, calls are single steps.
+does every row in it (the fan-out, its consumer waking; its session's task too when the event
+cannot take the inbox's shortcut); that work holds the GIL the engine thread needs. When steps
+are fast (a GPU: 4 ms for one row, 31 ms for 256) it would slow decoding down by a seventh at
+one row and by a third or more at 256, so an engine call then runs several steps and each row
+gets its tokens of all of them in one event (:meth:`BatchGroup.steps_per_call`): as many as
+keep the loop's CPU time, measured call by call, near ``LOOP_SHARE`` of the call. Rows join,
+leave and park between calls; while a row waits to join, calls are single steps.
 """
 
 from __future__ import annotations
@@ -39,16 +39,15 @@ from mlx_trio.actors.arbiter import (
     Lease,
     Release,
 )
-from mlx_trio.actors.channels import offer, receiver_left
-from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed, is_final
+from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox, is_final
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.engine.outputs import RowFailed, RowProgress
 from mlx_trio.engine.params import PreparedRequest
 
 logger = logging.getLogger(__name__)
 
-# The event loop's CPU time per engine call (fan-out, sessions and consumers waking, HTTP
-# streaming) may add at most this share to the call's steps; it is measured as the calls run.
+# The event loop's CPU time per engine call (fan-out, consumers waking, HTTP streaming)
+# may add at most this share to the call's steps; it is measured as the calls run.
 LOOP_SHARE = 0.03
 MAX_STEPS_PER_CALL = 8
 
@@ -56,7 +55,7 @@ MAX_STEPS_PER_CALL = 8
 @dataclass(frozen=True, slots=True)
 class AddRow:
     request: PreparedRequest
-    events: trio.MemorySendChannel[LaneEvent]
+    events: SessionInbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +75,7 @@ BatchMessage = AddRow | Lease | DrainRequested | DrainCalledOff | BacklogDeliver
 class _Member:
     """A session's row, as the group tracks it."""
 
-    events: trio.MemorySendChannel[LaneEvent]
+    events: SessionInbox
     row: int
     parked: bool = False
     backlog: deque[LaneEvent] = field(default_factory=deque)
@@ -252,7 +251,7 @@ class BatchGroup:
         adds: list[AddRow] = []
         while self._can_admit() and len(self._members) + len(adds) < self.max_batch:
             add = self._pending.popleft()
-            if not receiver_left(add.events):
+            if not add.events.receiver_left:
                 adds.append(add)
         if not adds:
             return
@@ -260,19 +259,19 @@ class BatchGroup:
             rows = await self.engine.batch_add([add.request for add in adds])
         except Exception as exc:  # the call itself failed: these rows fail, the batch resets
             for add in adds:
-                offer(add.events, LaneFailed(f"engine error: {type(exc).__name__}: {exc}"))
+                add.events.offer(LaneFailed(f"engine error: {type(exc).__name__}: {exc}"))
             raise
         for add, row in zip(adds, rows, strict=True):
             if isinstance(row, Exception):  # the batch is unchanged: only this row fails
                 self._faults += 1
                 logger.error("the engine could not add a row", exc_info=row)
-                offer(add.events, LaneFailed(f"engine error: {type(row).__name__}: {row}"))
+                add.events.offer(LaneFailed(f"engine error: {type(row).__name__}: {row}"))
                 continue
             self._members[next(self._keys)] = _Member(add.events, row)
             self._rows_submitted += 1
 
     async def _drop_departed(self) -> None:
-        departed = [k for k, m in self._members.items() if not m.parked and receiver_left(m.events)]
+        departed = [k for k, m in self._members.items() if not m.parked and m.events.receiver_left]
         if departed:
             rows = [self._members.pop(k).row for k in departed]
             await self.engine.batch_remove(rows)

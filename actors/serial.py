@@ -3,7 +3,7 @@
 A session acquires the engine lease (kind ``serial``) itself, so that cancelling it while it
 waits withdraws the request and ends any drain it caused; then it hands the lease and its
 request here. The executor runs the generation one step at a time, sending each event to the
-session's channel (a serial run may wait for its one consumer; the idle timeout bounds that),
+session's inbox (a serial run may wait for its one consumer; the idle timeout bounds that),
 and always ends the run and releases the lease, however the run ends.
 """
 
@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import trio
 
 from mlx_trio.actors.arbiter import ArbiterMessage, Lease, Release
-from mlx_trio.actors.channels import receiver_left
-from mlx_trio.actors.lanes import Abandoned, LaneEvent, is_final
+from mlx_trio.actors.lanes import Abandoned, LaneEvent, SessionInbox, is_final
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.engine.outputs import RowFailed
 from mlx_trio.engine.params import PreparedRequest
@@ -29,7 +28,7 @@ logger = logging.getLogger(__name__)
 class SerialJob:
     request: PreparedRequest
     lease: Lease
-    events: trio.MemorySendChannel[LaneEvent]
+    events: SessionInbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +78,11 @@ class SerialExecutor:
         started = False
         finished = False
         try:
-            if receiver_left(events):
+            if events.receiver_left:
                 return
             await self.engine.serial_start(job.request)
             started = True
-            while not finished and not receiver_left(events):
+            while not finished and not events.receiver_left:
                 with trio.move_on_after(self.step_timeout_s) as watchdog:
                     step = await self.engine.serial_step()
                 if watchdog.cancelled_caught:
@@ -113,7 +112,7 @@ def _stuck_event(timeout_s: float) -> Abandoned:
     return Abandoned(f"an engine step took longer than the {timeout_s:g} s watchdog")
 
 
-async def _send_quietly(channel: trio.MemorySendChannel[LaneEvent], event: LaneEvent) -> None:
+async def _send_quietly(inbox: SessionInbox, event: LaneEvent) -> None:
     with trio.move_on_after(1.0, shield=True):
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await channel.send(event)
+            await inbox.send(event)

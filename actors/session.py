@@ -6,7 +6,7 @@ lane's events to its consumer as :class:`TextDelta` / :class:`Progress`, and pub
 one outcome. Every cancel records one reason: ``requested`` (``cancel()``), ``consumer_closed``
 (the consumer closed its end), ``consumer_idle`` (an event waited ``idle_timeout_s`` for the
 consumer), ``deadline`` (``timeout_s`` over queue, prefill and decode), ``shutdown`` and
-``engine_fault`` (its step hung). Leaving releases the permit and closes the lane channel, which
+``engine_fault`` (its step hung). Leaving releases the permit and closes its inbox, which
 takes the row out of the batch at the next step.
 """
 
@@ -21,7 +21,7 @@ from mlx_trio.actors import gate
 from mlx_trio.actors.arbiter import ArbiterMessage, acquire
 from mlx_trio.actors.batch_group import AddRow, BatchMessage
 from mlx_trio.actors.channels import take_buffered
-from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed
+from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox
 from mlx_trio.actors.messages import (
     Cancelled,
     CancelReason,
@@ -37,7 +37,7 @@ from mlx_trio.actors.messages import (
     Usage,
 )
 from mlx_trio.actors.serial import SerialJob
-from mlx_trio.engine.outputs import RowFailed, RowOutput, RowProgress
+from mlx_trio.engine.outputs import Delta, GenerationStats, RowFailed, RowOutput, RowProgress
 from mlx_trio.engine.params import PreparedRequest
 
 logger = logging.getLogger(__name__)
@@ -129,32 +129,27 @@ class Session:
         return "shutdown"
 
     async def _generate(self) -> Outcome:
-        send, recv = trio.open_memory_channel[LaneEvent](LANE_BUFFER)
-        with recv:  # closed without a checkpoint, which could turn an outcome into Cancelled
+        inbox = SessionInbox(self._shortcut, LANE_BUFFER)
+        try:
             if self.lane == "serial":
                 lease = await acquire(self._links.arbiter, "serial")
-                self._links.serial.send_nowait(SerialJob(self.request, lease, send))
+                self._links.serial.send_nowait(SerialJob(self.request, lease, inbox))
             else:
-                await self._links.batch.send(AddRow(self.request, send))
+                await self._links.batch.send(AddRow(self.request, inbox))
             self.state = "running"
             self._running_at = trio.current_time()
-            return await self._forward(recv)
+            return await self._forward(inbox)
+        finally:  # without a checkpoint, which could turn an outcome into Cancelled
+            inbox.close_receiver()
 
-    async def _forward(self, lane: trio.MemoryReceiveChannel[LaneEvent]) -> Outcome:
-        async for event in lane:
+    async def _forward(self, inbox: SessionInbox) -> Outcome:
+        """Handle the events the shortcut left to this task, until the row's final one."""
+        while (event := await inbox.receive()) is not None:
             match event:
                 case RowProgress(done=done, total=total):
                     await self._publish(Progress(done, total))
                 case RowOutput(delta=delta, stats=stats):
-                    now = trio.current_time()
-                    if self._first_token_at is None:
-                        self._first_token_at = now
-                    self._last_token_at = now
-                    self._num_generated = (
-                        stats.generated_tokens
-                        if stats
-                        else self._num_generated + len(delta.token_ids)
-                    )
+                    self._count(delta, stats)
                     if delta.text or delta.token_ids:
                         await self._publish(TextDelta(delta.text, delta.token_ids, delta.logprobs))
                     if stats is not None:
@@ -171,7 +166,42 @@ class Session:
                     logger.error("session %s abandoned: %s", self.id, message)
                     self.cancel("engine_fault")
                     await trio.lowlevel.checkpoint()
+            inbox.handled()
         raise AssertionError("the lane closed without a final event")
+
+    def _shortcut(self, event: LaneEvent) -> bool:
+        """Hand a progress or token event to the consumer from the lane's task, if that needs
+        no waiting (see :class:`SessionInbox`); False leaves it to :meth:`_forward`. Runs once
+        per row and engine call, so it checks only what that path would."""
+        if self.state != "running" or self._scope.cancel_called:
+            return False
+        match event:
+            case RowProgress(done=done, total=total):
+                return self._offer(Progress(done, total))
+            case RowOutput(delta=delta, stats=None):
+                text = TextDelta(delta.text, delta.token_ids, delta.logprobs)
+                if (delta.text or delta.token_ids) and not self._offer(text):
+                    return False
+                self._count(delta, None)
+                return True
+        return False
+
+    def _count(self, delta: Delta, stats: GenerationStats | None) -> None:
+        now = trio.current_time()
+        if self._first_token_at is None:
+            self._first_token_at = now
+        self._last_token_at = now
+        self._num_generated = (
+            stats.generated_tokens if stats else self._num_generated + len(delta.token_ids)
+        )
+
+    def _offer(self, event: Event) -> bool:
+        """Give ``event`` to the consumer if its buffer has room (False: full, or it left)."""
+        try:
+            self._consumer.send_nowait(event)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
 
     async def _publish(self, event: Event) -> None:
         """Hand ``event`` to the consumer, or cancel the session if it left or went idle.

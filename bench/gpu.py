@@ -75,6 +75,10 @@ SYSTEMS = (
 )
 SINGLE_ONLY = {"raw generate_step", "mlx-trio serial"}
 ONE_STEP = "in-process, 1 step a call"
+# Short names for --systems, in the order of SYSTEMS.
+SYSTEM_KEYS = dict(
+    zip(("generate_step", "batch", "inprocess", "one-step", "serial", "http"), SYSTEMS, strict=True)
+)
 
 
 # -- the model, the tokenizer, the prompts ----------------------------------------------------
@@ -541,8 +545,8 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def systems_for(concurrency: int) -> list[str]:
-    return [s for s in SYSTEMS if concurrency == 1 or s not in SINGLE_ONLY]
+def systems_for(concurrency: int, selected: list[str]) -> list[str]:
+    return [s for s in selected if concurrency == 1 or s not in SINGLE_ONLY]
 
 
 async def record(bench: Bench, entry: dict, system: str, concurrency: int, timed: bool) -> None:
@@ -629,7 +633,7 @@ async def bench_model(
             # An untimed pass first: the raw systems meet every shape (the runtime runs the
             # same shapes), all systems at low concurrency (their own code paths).
             for concurrency in args.concurrency:
-                for system in systems_for(concurrency):
+                for system in systems_for(concurrency, args.systems):
                     if concurrency <= 8 or system.startswith("raw"):
                         await record(bench, entry, system, concurrency, timed=False)
                         save()
@@ -643,7 +647,7 @@ async def bench_model(
                     # Single streams are short and noisy: measure them a few times a round.
                     repeats = args.single_repeats if concurrency == 1 else 1
                     for _ in range(repeats):
-                        for system in systems_for(concurrency):
+                        for system in systems_for(concurrency, args.systems):
                             await record(bench, entry, system, concurrency, timed=True)
                             save()
                 durations.append(time.perf_counter() - started)
@@ -884,6 +888,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="default 128")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEM_KEYS), help=f"of {', '.join(SYSTEM_KEYS)}"
+    )
     parser.add_argument("--single-repeats", type=int, default=3, help="1-stream waves a round")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop adding rounds after")
     parser.add_argument("--out", default=str(RESULTS / "gpu.json"))
@@ -903,6 +910,7 @@ def main() -> None:
         args.concurrency = [int(c) for c in (args.concurrency or default_concurrency).split(",")]
         args.max_tokens = args.max_tokens or (16 if args.quick else 128)
         args.models = args.models.split(",")
+        args.systems = [SYSTEM_KEYS[key] for key in args.systems.split(",")]
         if args.warmup_only:
             print(json.dumps(trio.run(warmup_only, args)["warmup_only"], indent=1))
             return

@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from mlx_trio.actors.lanes import SessionInbox
 from mlx_trio.actors.messages import (
     Cancelled,
     Completed,
@@ -25,6 +26,7 @@ from mlx_trio.actors.messages import (
 from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens
 from mlx_trio.api.inprocess import RuntimeHandle, open_runtime
 from mlx_trio.engine.errors import InvalidRequestError, OverloadedError
+from mlx_trio.engine.outputs import RowProgress
 from mlx_trio.engine.params import SamplingParams
 
 
@@ -249,6 +251,43 @@ async def test_a_slow_reader_gets_every_token_in_order(autojump_clock):
                 tokens.extend(event.token_ids)
         assert tuple(tokens) == tokens_for("slow reader", 30)
         assert isinstance(await handle.result(), Completed)
+
+
+async def test_the_session_inbox_keeps_order_when_its_shortcut_declines():
+    # The shortcut hands an event to the consumer from the lane's task; once it declines one
+    # (say the consumer's buffer is full), later events queue behind it until the session
+    # has handled it, or a consumer would see them out of order.
+    taken: list[RowProgress] = []
+    accepting = [True]
+
+    def shortcut(event: RowProgress) -> bool:
+        if accepting[0]:
+            taken.append(event)
+        return accepting[0]
+
+    inbox = SessionInbox(shortcut, buffer=8)
+    events = [RowProgress(0, done, 10) for done in range(6)]
+    inbox.send_nowait(events[0])
+    accepting[0] = False
+    inbox.send_nowait(events[1])
+    accepting[0] = True
+    inbox.send_nowait(events[2])
+    assert taken == [events[0]]
+    assert await inbox.receive() == events[1]
+    inbox.handled()
+    assert await inbox.receive() == events[2]
+    await inbox.send(events[3])  # events[2] is not handled yet
+    inbox.handled()
+    assert await inbox.receive() == events[3]
+    inbox.handled()
+    await inbox.send(events[4])  # caught up: the shortcut again
+    assert taken == [events[0], events[4]]
+    inbox.close_receiver()
+    assert inbox.receiver_left
+    with pytest.raises(trio.BrokenResourceError):
+        inbox.send_nowait(events[5])
+    assert not inbox.offer(events[5])
+    assert taken == [events[0], events[4]]
 
 
 async def test_overload_is_refused_at_once_with_retry_after(autojump_clock):
