@@ -225,6 +225,9 @@ class Session:
         await trio.lowlevel.checkpoint()
 
     async def _publish_outcome(self, outcome: Outcome) -> None:
+        """Give the consumer its outcome if it takes it within ``CLEANUP_GRACE_S``, then close
+        its channel either way, so that a reader never waits for an event that cannot come (the
+        outcome stays in :attr:`outcome`)."""
         self.outcome = outcome
         with trio.move_on_after(CLEANUP_GRACE_S, shield=True):
             try:
@@ -232,7 +235,7 @@ class Session:
                     await self._consumer.send(outcome)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-            await self._consumer.aclose()
+        self._consumer.close()
         self.state = "terminal"
         self.done.set()
 

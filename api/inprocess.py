@@ -36,8 +36,10 @@ from mlx_trio.actors.session import Session
 class SessionHandle:
     """One request's events (``async for``), outcome and cancellation.
 
-    Iterating yields every event, ending with the outcome. Closing the handle (``aclose``, or
-    leaving ``async with``) before the outcome cancels the request ``consumer_closed``.
+    Iterating yields every event, ending with the outcome; a reader that leaves the outcome
+    untaken for a second (its buffer full) is not sent it, and its iteration just ends, while
+    ``result()`` still returns it. Closing the handle (``aclose``, or leaving ``async with``)
+    before the outcome cancels the request ``consumer_closed``.
     """
 
     def __init__(self, session: Session, events: trio.MemoryReceiveChannel[Event]) -> None:

@@ -253,6 +253,21 @@ async def test_a_slow_reader_gets_every_token_in_order(autojump_clock):
         assert isinstance(await handle.result(), Completed)
 
 
+async def test_a_reader_that_comes_back_late_for_the_outcome_is_not_left_waiting(autojump_clock):
+    # Found by the operation scripts: the tokens filled a stalled reader's buffer, the session
+    # gave up sending the outcome after its cleanup grace, and left the channel open, so the
+    # reader, once back, waited forever after the last token.
+    async with scripted(event_buffer=2, steps_per_call=1) as (rt, _engine):
+        handle = await rt.submit(request("late", max_tokens=2))
+        await trio.sleep(5.0)  # longer than the session's cleanup grace
+        with trio.fail_after(60):
+            events = [event async for event in handle]
+        tokens = [t for e in events if isinstance(e, TextDelta) for t in e.token_ids]
+        assert tuple(tokens) == tokens_for("late", 2)
+        outcome = await handle.result()
+        assert isinstance(outcome, Completed) and outcome.usage.completion_tokens == 2
+
+
 async def test_the_session_inbox_keeps_order_when_its_shortcut_declines():
     # The shortcut hands an event to the consumer from the lane's task; once it declines one
     # (say the consumer's buffer is full), later events queue behind it until the session
