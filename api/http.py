@@ -15,7 +15,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -326,7 +327,7 @@ class Api:
 
     async def _events(
         self, ex: Exchange, index: int, handle: SessionHandle
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """A session's events, recording its outcome and metrics on the way."""
         metrics = self.state.metrics
         last_text_at: float | None = None
@@ -509,19 +510,12 @@ class EventStream:
         if ex.kind == "chat":
             for index in range(len(ex.handles)):
                 await write(chunk(index, role=True, text=""))
-        merged_send, merged = trio.open_memory_channel[tuple[int, Event]](0)
-
-        async def pump(index: int, handle: SessionHandle, out: trio.MemorySendChannel) -> None:
-            async with out:
-                async for event in self.api._events(ex, index, handle):
-                    await out.send((index, event))
-
-        async with trio.open_nursery() as nursery, merged:
-            async with merged_send:
-                for index, handle in enumerate(ex.handles):
-                    nursery.start_soon(pump, index, handle, merged_send.clone())
-            async for index, event in merged:
-                await self._write_event(write, chunk, index, event)
+        if len(ex.handles) == 1:  # the common case: no task between the session and the socket
+            async with aclosing(self.api._events(ex, 0, ex.handles[0])) as events:
+                async for event in events:
+                    await self._write_event(write, chunk, 0, event)
+        else:
+            await self._merge(write, chunk)
         failure = _first_failure(ex.outcomes)
         if failure is not None:
             await write(_outcome_error(failure).body)
@@ -537,6 +531,25 @@ class EventStream:
                 )
             )
         await write(fmt.SSE_DONE)
+
+    async def _merge(
+        self, write: Callable[[dict[str, Any] | bytes], Any], chunk: Callable[..., dict[str, Any]]
+    ) -> None:
+        """Write the events of several choices (``n`` > 1) as each session produces them."""
+        ex = self.ex
+        merged_send, merged = trio.open_memory_channel[tuple[int, Event]](0)
+
+        async def pump(index: int, handle: SessionHandle, out: trio.MemorySendChannel) -> None:
+            async with out:
+                async for event in self.api._events(ex, index, handle):
+                    await out.send((index, event))
+
+        async with trio.open_nursery() as nursery, merged:
+            async with merged_send:
+                for index, handle in enumerate(ex.handles):
+                    nursery.start_soon(pump, index, handle, merged_send.clone())
+            async for index, event in merged:
+                await self._write_event(write, chunk, index, event)
 
     async def _write_event(
         self,
