@@ -325,6 +325,39 @@ def test_a_lone_row_goes_solo_and_rejoins_the_batch_when_another_arrives(tiny_en
     assert batch.kv_bytes == 0
 
 
+def test_a_row_on_an_empty_batch_goes_solo_from_its_prompt_unless_another_comes_first(
+    tiny_engine,
+):
+    # A short prompt on an empty batch is prefilled by generate_step (sooner to its first
+    # token than mlx-lm's BatchGenerator at one row); a long one, or a row joined by another
+    # before its first step, goes through the batch. The tokens are the same either way.
+    params = SamplingParams(temperature=0, max_tokens=8)
+    expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS[:3]]
+    requests = [tiny_engine.prepare(p, params) for p in PROMPTS[:3]]
+    batch = BatchEngine(tiny_engine, max_batch=4, prefill_chunk=32)
+    assert len(requests[0].prompt_tokens) <= 32 < len(requests[2].prompt_tokens)
+
+    row = batch.add(requests[0])
+    assert batch.solo_row == row
+    first = batch.step()
+    assert isinstance(first[0], RowProgress) and first[0].done == first[0].total
+    assert list(first[1].delta.token_ids) == expected[0][:1]
+    assert run_batch(batch)[row] == expected[0][1:]
+
+    first, second = batch.add(requests[0]), batch.add(requests[1])  # no step between
+    assert batch.solo_row is None
+    assert run_batch(batch) == {first: expected[0], second: expected[1]}
+
+    long = batch.add(requests[2])
+    assert batch.solo_row is None
+    assert run_batch(batch) == {long: expected[2]}
+
+    gone = batch.add(requests[1])
+    batch.remove([gone])  # before its first step
+    assert batch.num_rows == 0 and batch.kv_bytes == 0 and batch.step() == []
+    batch.close()
+
+
 def test_a_solo_row_parks_resumes_and_is_removed_like_any_other(tiny_engine):
     params = SamplingParams(temperature=0, max_tokens=20)
     expected = solo_tokens(tiny_engine, PROMPTS[0], params)
