@@ -62,13 +62,13 @@ class SessionInbox:
     # -- the lane's side --------------------------------------------------------------------
 
     def send_nowait(self, event: LaneEvent) -> None:
-        if self._unhandled == 0 and not self.receiver_left and self._shortcut(event):
+        if self._shortcut_took(event):
             return
         self._send.send_nowait(event)
         self._unhandled += 1
 
     async def send(self, event: LaneEvent) -> None:
-        if self._unhandled == 0 and not self.receiver_left and self._shortcut(event):
+        if self._shortcut_took(event):
             await trio.lowlevel.checkpoint()
             return
         self._unhandled += 1
@@ -77,6 +77,10 @@ class SessionInbox:
         except BaseException:
             self._unhandled -= 1
             raise
+
+    def _shortcut_took(self, event: LaneEvent) -> bool:
+        """Whether the session took ``event`` in this task: only once it has caught up."""
+        return self._unhandled == 0 and not self.receiver_left and self._shortcut(event)
 
     def offer(self, event: LaneEvent) -> bool:
         """Send without waiting; False if the session left (a full inbox is a caller's bug)."""

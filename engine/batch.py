@@ -217,12 +217,12 @@ class BatchEngine:
     def _detach(self, row_id: int, row: _Row) -> int | None:
         """Stop stepping a row: a solo or parked row gives its KV to the prompt cache; a row in
         mlx-lm's batch is unmapped and its uid returned, for :meth:`_remove_uids`."""
-        if row_id == self.solo_row and self._solo is not None and self._solo.unstarted:
-            self._solo, unstarted = None, self._solo.unstarted
-            _, hit_cache, context = unstarted
-            self._commit(context or [], hit_cache)  # the prompt cache's hit goes back
-        elif row_id == self.solo_row:  # then it goes as a parked row does
-            row.parked = self._drop_solo()
+        if row_id == self.solo_row:
+            if self._solo_unstarted():
+                _, hit_cache, context = self._drop_unstarted_solo()
+                self._commit(context or [], hit_cache)  # the prompt cache's hit goes back
+            else:  # it goes as a parked row does
+                row.parked = self._drop_solo()
         if row.uid is not None:
             uid, row.uid = row.uid, None
             del self._row_of_uid[uid]
@@ -250,7 +250,7 @@ class BatchEngine:
         """Whether a row is decoding (in mlx-lm's generation batch, or solo): not prefilling,
         not parked."""
         row = self._rows.get(row_id)
-        solo = self._solo is not None and row_id == self._solo.row_id and not self._solo.unstarted
+        solo = row_id == self.solo_row and not self._solo_unstarted()
         return row is not None and (row.decoding or solo)
 
     def park(self, row_id: int) -> None:
@@ -286,14 +286,22 @@ class BatchEngine:
         if not row.decoding or row.processors or row.uid is None:
             return
         caches, tokens = self._take_out(row_id)
-        steps = generate_step(
-            mx.array(tokens[-1:]),
+        steps = self._solo_steps(row, tokens[-1:], caches)
+        self._solo = _Solo(row_id, steps, caches, tokens)
+
+    def _solo_steps(
+        self, row: _Row, prompt: list[int], caches: list[Any]
+    ) -> Generator[tuple[int, mx.array], None, None]:
+        """``generate_step`` for a solo row: ``prompt`` to prefill on top of ``caches``, then
+        the row's remaining tokens."""
+        return generate_step(
+            mx.array(prompt),
             self._engine.model,
             max_tokens=row.decoder.params.max_tokens - row.num_sampled,
             sampler=row.sampler or greedy_sampler,
             prompt_cache=caches,
+            prefill_step_size=self._prefill_chunk,
         )
-        self._solo = _Solo(row_id, steps, caches, tokens)
 
     def _can_start_solo(self, row: _Row, prompt_tokens: int) -> bool:
         """Whether a new row can go solo from its prompt: the batch is empty, the row has no
@@ -316,15 +324,20 @@ class BatchEngine:
     ) -> None:
         rest, hit_cache, _ = unstarted
         caches = hit_cache if hit_cache is not None else make_prompt_cache(self._engine.model)
-        steps = generate_step(
-            mx.array(rest),
-            self._engine.model,
-            max_tokens=row.decoder.params.max_tokens,
-            sampler=row.sampler or greedy_sampler,
-            prompt_cache=caches,
-            prefill_step_size=self._prefill_chunk,
-        )
+        steps = self._solo_steps(row, rest, caches)
         self._solo = _Solo(row_id, steps, caches, list(prompt), unstarted)
+
+    def _solo_unstarted(self) -> bool:
+        """Whether the solo row went solo from its prompt and has not had its first step."""
+        return self._solo is not None and self._solo.unstarted is not None
+
+    def _drop_unstarted_solo(self) -> tuple[list[int], list[Any] | None, list[int] | None]:
+        """Stop a solo row before its first step: its prompt left to prefill, and the prompt
+        cache's hit with the tokens it holds."""
+        solo, self._solo = self._solo, None
+        assert solo is not None and solo.unstarted is not None
+        solo.steps.close()
+        return solo.unstarted
 
     def _drop_solo(self) -> tuple[list[Any], list[int]]:
         """Stop stepping the solo row: its caches and tokens, parked-style."""
@@ -341,8 +354,8 @@ class BatchEngine:
         if self._solo is None:
             return
         row_id = self._solo.row_id
-        if self._solo.unstarted:  # it has not run: it joins the batch with its prompt
-            self._solo, (rest, hit_cache, context) = None, self._solo.unstarted
+        if self._solo_unstarted():  # it has not run: it joins the batch with its prompt
+            rest, hit_cache, context = self._drop_unstarted_solo()
             row = self._rows[row_id]
             self._insert(row_id, row, rest, row.decoder.params.max_tokens, hit_cache, context)
             return
