@@ -290,9 +290,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MlxTrioError as exc:
         print(f"mlx-trio: error: {exc.message}", file=sys.stderr)
         return 1
+    except BaseExceptionGroup as group:  # from a Trio nursery: serve loads the model in one
+        error = _only_error(group)
+        if error is None:
+            raise
+        print(f"mlx-trio: error: {error.message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _only_error(group: BaseExceptionGroup) -> MlxTrioError | None:
+    """The group's one exception, if it is one of ours (a model that failed to load)."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    if len(leaves) == 1 and isinstance(leaves[0], MlxTrioError):
+        return leaves[0]
+    return None
 
 
 if __name__ == "__main__":

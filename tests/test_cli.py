@@ -38,6 +38,14 @@ def test_bad_invocations_print_one_line_and_exit_non_zero(args, message, tmp_pat
     assert lines[0].startswith(message)
 
 
+def test_serve_with_a_model_it_cannot_load_ends_with_one_error_line():
+    # serve listens before it loads, so the error comes out of a Trio nursery's group.
+    result = mlx_trio("serve", "--model", "/no/such/model", "--port", "0")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("mlx-trio: error: model not found")
+
+
 def test_a_file_that_is_not_a_model_is_refused(tmp_path):
     bogus = tmp_path / "weights.gguf"
     bogus.write_bytes(b"not a gguf file at all")
