@@ -385,17 +385,20 @@ class BatchEngine:
         assert row.parked is not None, "resume of a row that is not parked"
         caches, tokens = row.parked
         row.parked = None
-        remaining = row.decoder.params.max_tokens - row.decoder.num_generated
+        remaining = row.decoder.params.max_tokens - row.num_sampled
         self._insert(row_id, row, [tokens[-1]], remaining, caches, tokens[:-1])
 
     def step(self, steps: int = 1) -> list[RowEvent]:
         """Run ``steps`` batch steps, fewer once no row is left or a row got its first token
         (a first token never waits for the rest of a call). Returns each row's latest
-        progress, one output per row with its tokens of every step, then the rows that failed.
+        progress, one output per row with its tokens, then the rows that failed.
 
-        A row's tokens are decoded once, at the end of the call: a stop token or
-        ``max_tokens`` ends a row in the step that reaches it, but a stop string is only seen
-        then, so such a row may have stepped on; the decoder drops its extra tokens.
+        A row's tokens come out once it has ``steps`` of them (so a call that a first token
+        cut short does not cost an output for every other row), with its first token, and
+        when it ends; until then it keeps them for a later call. They are decoded as they
+        come out: a stop token or ``max_tokens`` ends a row in the step that reaches it, but a
+        stop string is only seen then, so such a row may have stepped on; the decoder drops
+        its extra tokens.
 
         If this raises, the generator's state is undefined: the caller fails the rows it
         holds and builds a new :class:`BatchEngine`.
@@ -414,6 +417,8 @@ class BatchEngine:
         failures: list[RowEvent] = []
         leaving: list[int] = []
         for row_id, row in touched.items():
+            if self._keeps_tokens(row_id, row, steps):
+                continue
             output = self._decode(row_id, row)
             if output is not None and output.stats is not None:  # finished
                 del self._rows[row_id]
@@ -432,6 +437,16 @@ class BatchEngine:
                 )
         self._remove_uids(leaving)
         return [*progress.values(), *outputs, *failures]
+
+    def _keeps_tokens(self, row_id: int, row: _Row, steps: int) -> bool:
+        """Whether a row keeps its tokens for a later call: it has fewer than ``steps``, none
+        of them its first, and it is still being stepped (not ended, not failed)."""
+        return (
+            len(row.sampled) < steps
+            and row.decoder.num_generated > 0
+            and row.failure is None
+            and (row.uid is not None or row_id == self.solo_row)
+        )
 
     def _step(self, progress: dict[int, RowProgress], touched: dict[int, _Row]) -> None:
         self._start_solo()

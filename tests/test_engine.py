@@ -287,19 +287,30 @@ def test_rows_that_end_part_way_through_a_call_match_the_serial_path(tiny_engine
         assert batch.kv_bytes == 0
 
 
-def test_a_first_token_ends_the_call_that_produced_it(tiny_engine):
+def test_a_first_token_ends_the_call_and_the_other_rows_keep_its_tokens(tiny_engine):
     params = SamplingParams(temperature=0, max_tokens=40)
+    expected = solo_tokens(tiny_engine, PROMPTS[0], params)
     batch = BatchEngine(tiny_engine, max_batch=4)
     running = batch.add(tiny_engine.prepare(PROMPTS[0], params))
-    while not any(isinstance(e, RowOutput) for e in batch.step()):
-        pass
-    assert len(next(e for e in batch.step(8) if isinstance(e, RowOutput)).delta.token_ids) == 8
+    got: list[int] = []
+    while not got:
+        got += [t for e in batch.step() if isinstance(e, RowOutput) for t in e.delta.token_ids]
+    (output,) = [e for e in batch.step(8) if isinstance(e, RowOutput)]
+    assert len(output.delta.token_ids) == 8
+    got += output.delta.token_ids
     arriving = batch.add(tiny_engine.prepare(PROMPTS[1], params))
     outputs: dict[int, RowOutput] = {}
     while arriving not in outputs:
+        steps_before = batch.steps_run
         outputs = {e.row: e for e in batch.step(8) if isinstance(e, RowOutput)}
+        got += outputs[running].delta.token_ids if running in outputs else ()
+    assert batch.steps_run - steps_before < 8  # the arriving row's first token ended it
     assert len(outputs[arriving].delta.token_ids) == 1
-    assert len(outputs[running].delta.token_ids) < 8  # the call stopped short
+    assert running not in outputs  # its tokens of that short call wait for the next call
+    (output,) = [e for e in batch.step(8) if e.row == running and isinstance(e, RowOutput)]
+    assert len(output.delta.token_ids) > 8
+    got += output.delta.token_ids
+    assert got == expected[: len(got)]
     batch.remove([running, arriving])
 
 
