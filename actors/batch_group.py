@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # The event loop's CPU time per engine call (fan-out, consumers waking, HTTP streaming)
 # may add at most this share to the call's steps; it is measured as the calls run.
 LOOP_SHARE = 0.03
-# Bounds how long a row's tokens wait to be sent: 16 steps are 40 ms at one row on an H200,
+# Bounds how long a row's tokens wait to be sent: 16 steps are 40-60 ms at one row on an H200,
 # 0.3 s at 256 rows.
 MAX_STEPS_PER_CALL = 16
 
