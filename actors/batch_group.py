@@ -41,6 +41,7 @@ from mlx_trio.actors.arbiter import (
     Lease,
     Release,
 )
+from mlx_trio.actors.channels import offer
 from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox, is_final
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.engine.outputs import RowFailed, RowProgress
@@ -263,13 +264,13 @@ class BatchGroup:
             rows = await self.engine.batch_add([add.request for add in adds])
         except Exception as exc:  # the call itself failed: these rows fail, the batch resets
             for add in adds:
-                add.events.offer(LaneFailed(f"engine error: {type(exc).__name__}: {exc}"))
+                offer(add.events, LaneFailed(f"engine error: {type(exc).__name__}: {exc}"))
             raise
         for add, row in zip(adds, rows, strict=True):
             if isinstance(row, Exception):  # the batch is unchanged: only this row fails
                 self._faults += 1
                 logger.error("the engine could not add a row", exc_info=row)
-                add.events.offer(LaneFailed(f"engine error: {type(row).__name__}: {row}"))
+                offer(add.events, LaneFailed(f"engine error: {type(row).__name__}: {row}"))
                 continue
             self._members[next(self._keys)] = _Member(add.events, row)
             self._rows_submitted += 1

@@ -5,11 +5,18 @@ A request carries its own reply channel; the receiver closing it means the reque
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
 T = TypeVar("T")
+T_contra = TypeVar("T_contra", contravariant=True)
+
+
+class SendsNowait(Protocol[T_contra]):
+    """A memory send channel, or anything that sends like one (a session's inbox)."""
+
+    def send_nowait(self, value: T_contra, /) -> None: ...
 
 
 def receiver_left(channel: trio.MemorySendChannel[Any]) -> bool:
@@ -17,7 +24,7 @@ def receiver_left(channel: trio.MemorySendChannel[Any]) -> bool:
     return channel.statistics().open_receive_channels == 0
 
 
-def offer(channel: trio.MemorySendChannel[T], value: T) -> bool:
+def offer(channel: SendsNowait[T], value: T) -> bool:
     """Send without waiting; False if the receiver left (a full channel is a caller's bug)."""
     try:
         channel.send_nowait(value)

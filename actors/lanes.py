@@ -82,14 +82,6 @@ class SessionInbox:
         """Whether the session took ``event`` in this task: only once it has caught up."""
         return self._unhandled == 0 and not self.receiver_left and self._shortcut(event)
 
-    def offer(self, event: LaneEvent) -> bool:
-        """Send without waiting; False if the session left (a full inbox is a caller's bug)."""
-        try:
-            self.send_nowait(event)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return False
-        return True
-
     def close(self) -> None:
         """No more events: the session's ``receive`` returns None once it has read the rest."""
         self._send.close()

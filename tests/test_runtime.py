@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from mlx_trio.actors.channels import offer
 from mlx_trio.actors.lanes import SessionInbox
 from mlx_trio.actors.messages import (
     Cancelled,
@@ -301,7 +302,7 @@ async def test_the_session_inbox_keeps_order_when_its_shortcut_declines():
     assert inbox.receiver_left
     with pytest.raises(trio.BrokenResourceError):
         inbox.send_nowait(events[5])
-    assert not inbox.offer(events[5])
+    assert not offer(inbox, events[5])
     assert taken == [events[0], events[4]]
 
 
