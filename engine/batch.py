@@ -432,7 +432,7 @@ class BatchEngine:
                 del self._rows[row_id]
                 failures.append(RowFailed(row=row_id, message=row.failure))
             else:
-                assert row.uid is not None or row_id == self.solo_row, (
+                assert self._is_stepped(row_id, row), (
                     "mlx-lm finished a row that its decoder did not"
                 )
         self._remove_uids(leaving)
@@ -445,8 +445,12 @@ class BatchEngine:
             len(row.sampled) < steps
             and row.decoder.num_generated > 0
             and row.failure is None
-            and (row.uid is not None or row_id == self.solo_row)
+            and self._is_stepped(row_id, row)
         )
+
+    def _is_stepped(self, row_id: int, row: _Row) -> bool:
+        """Whether a row is still being stepped: in mlx-lm's batch, or the solo row."""
+        return row.uid is not None or row_id == self.solo_row
 
     def _step(self, progress: dict[int, RowProgress], touched: dict[int, _Row]) -> None:
         self._start_solo()
