@@ -2,7 +2,8 @@
 
 The server listens first and loads the model second, so ``/health`` answers 503 ("loading")
 instead of refusing connections. SIGINT or SIGTERM (or ``shutdown``) closes admission, gives
-in-flight requests the runtime's grace period, then stops the server.
+in-flight requests the runtime's grace period, then stops the server. Once the model is
+loaded, the startup heap is frozen out of the garbage collector's way (``freeze_startup_heap``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.api.http import AppState, HttpSettings, build_app
-from mlx_trio.api.inprocess import open_runtime
+from mlx_trio.api.inprocess import freeze_startup_heap, open_runtime
 
 logger = logging.getLogger("mlx_trio.server")
 
@@ -92,6 +93,7 @@ async def serve(
             ) as rt:
                 state.runtime = rt
                 state.model_id = rt.model_id
+                freeze_startup_heap()
                 logger.info("serving model '%s' at %s", rt.model_id, url)
                 logger.info("try: %s", curl_example(url, rt.model_id, options.http.api_key))
                 await shutdown.wait()

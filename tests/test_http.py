@@ -3,6 +3,7 @@ and raw httpx as clients, on the scripted engine (fast and fault-injectable)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import time
@@ -270,6 +271,23 @@ def test_a_failure_mid_stream_sends_an_error_event_then_done():
             list(stream)
         reply = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body("fine"))
         assert reply.status_code == 200
+
+
+def test_the_server_takes_its_startup_heap_out_of_the_garbage_collectors_way():
+    gc.unfreeze()
+    engine = ScriptedEngine(Script(step_s=0.002))
+    assert any(o is engine for o in gc.get_objects())
+    try:
+        with ServerThread(engine=engine) as server:
+            wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200)
+            # Frozen: a full collection no longer walks what the server holds for good.
+            assert gc.get_freeze_count() > 0
+            assert not any(o is engine for o in gc.get_objects())
+            body = chat_body("after", max_tokens=8)
+            reply = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+            assert reply.json()["choices"][0]["message"]["content"] == expected_text("after", 8)
+    finally:
+        gc.unfreeze()
 
 
 def test_overload_gets_503_with_retry_after():
