@@ -44,10 +44,12 @@ DEFAULT_PREFILL_CHUNK = 256
 
 @dataclass(slots=True)
 class _Row:
+    id: int
     decoder: RowDecoder
     sampler: Sampler | None
     processors: list[LogitsProcessor]
     stops: StopSequences
+    wants_logprobs: bool
     uid: int | None = None
     decoding: bool = False  # in mlx-lm's generation batch (not prefilling)
     parked: tuple[list[Any], list[int]] | None = None  # KV caches, tokens (last one not in them)
@@ -101,7 +103,7 @@ class BatchEngine:
             prefill_step_size=prefill_chunk,
         )
         self._rows: dict[int, _Row] = {}
-        self._row_of_uid: dict[int, int] = {}
+        self._row_of_uid: dict[int, _Row] = {}  # the rows in mlx-lm's batch
         self._sampler_faults: dict[int, str] = {}
         self._next_row = 0
         self._solo_enabled = solo
@@ -149,10 +151,12 @@ class BatchEngine:
         self._next_row += 1
         sampler = self._sampler_factory(params)
         row = _Row(
+            id=row_id,
             decoder=decoder,
             sampler=None if sampler is None else self._guard(row_id, sampler),
             processors=make_row_processors(params),
             stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
+            wants_logprobs=params.logprobs,
         )
         prompt = list(request.prompt_tokens)
         cache = self._engine.prompt_cache
@@ -189,7 +193,7 @@ class BatchEngine:
         )
         row.uid = uid
         row.decoding = False
-        self._row_of_uid[uid] = row_id
+        self._row_of_uid[uid] = row
 
     def _guard(self, row_id: int, sampler: Sampler) -> Sampler:
         """A sampler whose failure fails only its own row: it records the error, returns a
@@ -372,7 +376,7 @@ class BatchEngine:
             solo.unstarted = None
         solo.tokens.append(token)
         row = self._rows[solo.row_id]
-        self._take(solo.row_id, row, token, logprobs, touched)
+        self._take(row, token, logprobs, touched)
         if token in row.decoder.stop_token_ids or row.num_sampled >= row.decoder.params.max_tokens:
             # The row ends here (generate_step knows no stop tokens): its KV goes now.
             self._solo = None
@@ -460,32 +464,40 @@ class BatchEngine:
         if not self._row_of_uid:
             return
         prompt_responses, generation_responses = self._generator.next()
+        in_batch = self._row_of_uid
         for response in prompt_responses:
-            row_id = self._row_of_uid.get(response.uid)
-            if row_id is not None:
+            if (row := in_batch.get(response.uid)) is not None:
                 done, total = response.progress
-                progress[row_id] = RowProgress(row=row_id, done=done, total=total)
+                progress[row.id] = RowProgress(row=row.id, done=done, total=total)
+        # This runs for every generating row in every step, on the thread that also builds the
+        # next step: it is :meth:`_take` inlined, its first-token check done only where a first
+        # token can be (a row's first step in the batch).
+        step = self._step_count
         for response in generation_responses:
-            row_id = self._row_of_uid.get(response.uid)
-            if row_id is None:
+            if (row := in_batch.get(response.uid)) is None:
                 continue
-            row = self._rows[row_id]
-            row.decoding = True
-            self._take(row_id, row, response.token, response.logprobs, touched)
+            if not row.decoding:
+                row.decoding = True
+                self._first_token |= row.num_sampled == 0
+            row.sampled.append(response.token)
+            if row.wants_logprobs:
+                row.sampled_logprobs.append(response.logprobs)
+            row.took_at = step
+            touched[row.id] = row
             if response.finish_reason is not None:  # mlx-lm dropped the row, handed back its KV
-                del self._row_of_uid[response.uid]
+                del in_batch[response.uid]
                 row.uid = None
                 self._commit(list(response.all_tokens or []), response.prompt_cache)
 
-    def _take(
-        self, row_id: int, row: _Row, token: int, logprobs: mx.array, touched: dict[int, _Row]
-    ) -> None:
-        self._first_token |= not row.sampled and row.decoder.num_generated == 0
+    def _take(self, row: _Row, token: int, logprobs: mx.array, touched: dict[int, _Row]) -> None:
+        """Keep a token the row sampled in this step (the solo row's; batch rows' are kept
+        inline in :meth:`_step`)."""
+        self._first_token |= row.num_sampled == 0
         row.sampled.append(token)
-        if row.decoder.params.logprobs:
+        if row.wants_logprobs:
             row.sampled_logprobs.append(logprobs)
         row.took_at = self._step_count
-        touched[row_id] = row
+        touched[row.id] = row
 
     def _decode(self, row_id: int, row: _Row) -> RowOutput | None:
         """The row's output for this call's tokens (None if it got none); ``stats`` is set if
