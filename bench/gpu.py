@@ -325,7 +325,7 @@ class Bench:
         self.port = port
         self.engine = engine
         self.args = args
-        self.max_batch = max(args.concurrency)
+        self.max_batch = max_batch_of(args)
         self.rt, self.rt_one_step = runtimes
         self.http_url = url
 
@@ -423,6 +423,13 @@ def settle() -> None:
 
     mx.synchronize()
     mx.clear_cache()
+
+
+def max_batch_of(args: argparse.Namespace) -> int:
+    """Rows in a batch: the most streams measured, and at least 2, since a runtime with
+    ``max_batch`` 1 runs every request on the serial lane (``--concurrency 1`` would measure
+    that instead of the batch lane's solo row)."""
+    return max(2, *args.concurrency)
 
 
 def runtime_config(max_batch: int) -> RuntimeConfig:
@@ -596,7 +603,7 @@ async def bench_model(
 ) -> None:
     """Build model ``name`` (bf16 or q4), warm it up, measure every system, then its anatomy."""
     quantized = name == "q4"
-    max_batch = max(args.concurrency)
+    max_batch = max_batch_of(args)
     entry.update(quantized=quantized, results={})
     with EngineThread() as thread:
         start = time.perf_counter()
@@ -679,7 +686,7 @@ async def warmup_only(args: argparse.Namespace) -> dict[str, Any]:
     """Build each model and time ``warm_up`` alone (e.g. a restart with a warm PTX cache)."""
     tokenizer = make_tokenizer()
     result: dict[str, Any] = {"machine": machine(), "warmup_only": {}}
-    max_batch = max(args.concurrency)
+    max_batch = max_batch_of(args)
     for name in args.models:
         with EngineThread() as thread:
             model = await thread.run(make_model, args.quick, name == "q4")
@@ -700,7 +707,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             "max_tokens": args.max_tokens,
             "concurrency": args.concurrency,
             "rounds": args.rounds,
-            "max_batch": max(args.concurrency),
+            "max_batch": max_batch_of(args),
             "prefill_batch": PREFILL_BATCH,
             "prefill_chunk": DEFAULT_PREFILL_CHUNK,
             "quick": args.quick,
