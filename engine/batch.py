@@ -169,13 +169,12 @@ class BatchEngine:
         if self._can_start_solo(row, len(rest)):
             self._start_solo_from_prompt(row_id, row, prompt, (rest, hit_cache, context))
         else:
-            self._insert(row_id, row, rest, params.max_tokens, hit_cache, context)
+            self._insert(row, rest, params.max_tokens, hit_cache, context)
         self._rows[row_id] = row  # only once mlx-lm took it: a failed add changes nothing
         return row_id
 
     def _insert(
         self,
-        row_id: int,
         row: _Row,
         prompt: list[int],
         max_tokens: int,
@@ -361,7 +360,7 @@ class BatchEngine:
         if self._solo_unstarted():  # it has not run: it joins the batch with its prompt
             rest, hit_cache, context = self._drop_unstarted_solo()
             row = self._rows[row_id]
-            self._insert(row_id, row, rest, row.decoder.params.max_tokens, hit_cache, context)
+            self._insert(row, rest, row.decoder.params.max_tokens, hit_cache, context)
             return
         self._rows[row_id].parked = self._drop_solo()
         self.resume(row_id)
@@ -390,7 +389,7 @@ class BatchEngine:
         caches, tokens = row.parked
         row.parked = None
         remaining = row.decoder.params.max_tokens - row.num_sampled
-        self._insert(row_id, row, [tokens[-1]], remaining, caches, tokens[:-1])
+        self._insert(row, [tokens[-1]], remaining, caches, tokens[:-1])
 
     def step(self, steps: int = 1) -> list[RowEvent]:
         """Run ``steps`` batch steps, fewer once no row is left or a row got its first token
@@ -421,9 +420,9 @@ class BatchEngine:
         failures: list[RowEvent] = []
         leaving: list[int] = []
         for row_id, row in touched.items():
-            if self._keeps_tokens(row_id, row, steps):
+            if self._keeps_tokens(row, steps):
                 continue
-            output = self._decode(row_id, row)
+            output = self._decode(row)
             if output is not None and output.stats is not None:  # finished
                 del self._rows[row_id]
                 if (uid := self._detach(row_id, row)) is not None:
@@ -436,25 +435,23 @@ class BatchEngine:
                 del self._rows[row_id]
                 failures.append(RowFailed(row=row_id, message=row.failure))
             else:
-                assert self._is_stepped(row_id, row), (
-                    "mlx-lm finished a row that its decoder did not"
-                )
+                assert self._is_stepped(row), "mlx-lm finished a row that its decoder did not"
         self._remove_uids(leaving)
         return [*progress.values(), *outputs, *failures]
 
-    def _keeps_tokens(self, row_id: int, row: _Row, steps: int) -> bool:
+    def _keeps_tokens(self, row: _Row, steps: int) -> bool:
         """Whether a row keeps its tokens for a later call: it has fewer than ``steps``, none
         of them its first, and it is still being stepped (not ended, not failed)."""
         return (
             len(row.sampled) < steps
             and row.decoder.num_generated > 0
             and row.failure is None
-            and self._is_stepped(row_id, row)
+            and self._is_stepped(row)
         )
 
-    def _is_stepped(self, row_id: int, row: _Row) -> bool:
+    def _is_stepped(self, row: _Row) -> bool:
         """Whether a row is still being stepped: in mlx-lm's batch, or the solo row."""
-        return row.uid is not None or row_id == self.solo_row
+        return row.uid is not None or row.id == self.solo_row
 
     def _step(self, progress: dict[int, RowProgress], touched: dict[int, _Row]) -> None:
         self._start_solo()
@@ -499,17 +496,17 @@ class BatchEngine:
         row.took_at = self._step_count
         touched[row.id] = row
 
-    def _decode(self, row_id: int, row: _Row) -> RowOutput | None:
+    def _decode(self, row: _Row) -> RowOutput | None:
         """The row's output for this call's tokens (None if it got none); ``stats`` is set if
         the row finished."""
         if not row.sampled:
             return None
         tokens, row.sampled = row.sampled, []
         logprobs, row.sampled_logprobs = row.sampled_logprobs, []
-        delta = row.decoder.feed_many(tokens, logprobs if row.decoder.params.logprobs else None)
+        delta = row.decoder.feed_many(tokens, logprobs if row.wants_logprobs else None)
         if delta.finish_reason is None:
-            return RowOutput(row=row_id, delta=delta)
-        return RowOutput(row=row_id, delta=delta, stats=row.decoder.stats())
+            return RowOutput(row=row.id, delta=delta)
+        return RowOutput(row=row.id, delta=delta, stats=row.decoder.stats())
 
     def _fail_faulted(self, touched: dict[int, _Row]) -> None:
         """Stop stepping the rows whose sampler failed in this step; the end of the call
