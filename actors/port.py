@@ -71,7 +71,8 @@ class EnginePort(Protocol):
         """``steps`` times: one decode step for generating rows plus one prefill chunk for the
         others; fewer once no row is left or a row got its first token, so that a first token
         never waits for the rest of a call. Each row's tokens of the call come as one
-        ``RowOutput``."""
+        ``RowOutput``. An engine may run some of the steps ahead of the call, between calls
+        (``ThreadedEngine`` does, so that the hand-off does not leave it idle)."""
         ...
 
     async def batch_remove(self, rows: list[int]) -> None: ...

@@ -17,6 +17,13 @@ chunk goes solo at once, prefilled by ``generate_step`` too, which reaches its f
 sooner; if another row arrives before its first step, it joins the batch with its prompt. Rows
 with logits processors stay in the batch (``generate_step`` would see only the tokens since the
 switch).
+
+A call's steps need not all run inside it: between calls, while the caller hands out the last
+call's tokens, the engine thread runs up to ``steps - 1`` of the next call's steps ahead of it
+(:meth:`BatchEngine.step_ahead`), and the call runs the rest. The rows it steps are the rows as
+they are then; a row removed or parked meanwhile loses or keeps those tokens as it would any
+other. Without this the engine would wait out every hand-off: on an H200 a host-bound step of one
+row is 3.5 ms, and the hand-off between two calls about as long (design/008).
 """
 
 from __future__ import annotations
@@ -111,6 +118,14 @@ class BatchEngine:
         self._prefill_chunk = prefill_chunk
         self._step_count = 0
         self._first_token = False  # a row got its first token in this call's steps
+        # This call's steps so far (run ahead of it included): rows' latest progress, the rows
+        # that got tokens; and how many steps ran ahead, of the most that may (the last
+        # call's steps less one).
+        self._progress: dict[int, RowProgress] = {}
+        self._touched: dict[int, _Row] = {}
+        self._ahead = 0
+        self._ahead_limit = 0
+        self._fault: Exception | None = None  # raised by a step run ahead; the next call raises
         self.max_batch = max_batch
 
     @property
@@ -142,6 +157,7 @@ class BatchEngine:
 
     def add(self, request: PreparedRequest) -> int:
         """Queue a row; it starts prefilling at the next step. Returns its row id."""
+        self._raise_fault()
         self._end_solo()
         params = request.params
         decoder = RowDecoder(
@@ -210,6 +226,7 @@ class BatchEngine:
     def remove(self, rows: Iterable[int]) -> None:
         """Drop rows (cancelled, failed or parked); unknown ids are ignored. Frees their KV,
         after giving the prompt cache what they had prefilled (a retry resumes from there)."""
+        self._raise_fault()
         uids = []
         for row_id in rows:
             row = self._rows.pop(row_id, None)
@@ -254,7 +271,8 @@ class BatchEngine:
         not parked."""
         row = self._rows.get(row_id)
         solo = row_id == self.solo_row and not self._solo_unstarted()
-        return row is not None and (row.decoding or solo)
+        # (A row that ended in a step run ahead is decoding no more: it left mlx-lm's batch.)
+        return row is not None and ((row.decoding and row.uid is not None) or solo)
 
     def park(self, row_id: int) -> None:
         """Take a generating row out of the batch, keeping its KV cache for :meth:`resume`.
@@ -262,6 +280,7 @@ class BatchEngine:
         The cache already holds the last emitted token (mlx-lm computes one step ahead), so it
         is trimmed by one and that token is fed again on resume: greedy output is unchanged.
         """
+        self._raise_fault()
         assert self.can_park(row_id), "only a generating row can be parked"
         solo = row_id == self.solo_row
         self._rows[row_id].parked = self._drop_solo() if solo else self._take_out(row_id)
@@ -384,6 +403,7 @@ class BatchEngine:
 
     def resume(self, row_id: int) -> None:
         """Put a parked row back into the batch; it continues where it stopped."""
+        self._raise_fault()
         row = self._rows[row_id]
         assert row.parked is not None, "resume of a row that is not parked"
         caches, tokens = row.parked
@@ -396,6 +416,9 @@ class BatchEngine:
         (a first token never waits for the rest of a call). Returns each row's latest
         progress, one output per row with its tokens, then the rows that failed.
 
+        Steps run ahead of the call (:meth:`step_ahead`) count among its ``steps``; the call
+        runs the rest, at least one.
+
         A row's tokens come out once it has ``steps`` of them (so a call that a first token
         cut short does not cost an output for every other row), with its first token, and
         when it ends; until then it keeps them for a later call. They are decoded as they
@@ -406,20 +429,60 @@ class BatchEngine:
         If this raises, the generator's state is undefined: the caller fails the rows it
         holds and builds a new :class:`BatchEngine`.
         """
-        progress: dict[int, RowProgress] = {}
-        touched: dict[int, _Row] = {}
-        self._first_token = False
-        for _ in range(steps):
+        self._raise_fault()
+        for _ in range(max(1, steps - self._ahead)):
             if not self.num_active or self._first_token:
                 break
-            self._step_count += 1
-            self._step(progress, touched)
-            if self._sampler_faults:
-                self._fail_faulted(touched)
+            self._step_once()
+        events = self._call_events(steps)
+        self._ahead, self._ahead_limit = 0, steps - 1
+        self._first_token = False
+        self._progress, self._touched = {}, {}
+        return events
+
+    def step_ahead(self) -> bool:
+        """Run one step of the next call before it comes, if it may: fewer than the last
+        call's steps less one have run ahead, no row got its first token since (it goes out
+        at once with the next call), and a row is being stepped. Returns whether it stepped.
+
+        The engine thread calls this while no job waits. A step that raises here raises from
+        the next call instead (whichever it is), and none runs ahead until then.
+        """
+        if (
+            self._fault is not None
+            or self._ahead >= self._ahead_limit
+            or self._first_token
+            or not self.num_active
+        ):
+            return False
+        try:
+            self._step_once()
+        except Exception as exc:
+            self._fault = exc
+            return False
+        self._ahead += 1
+        return True
+
+    def _raise_fault(self) -> None:
+        if self._fault is not None:
+            fault, self._fault = self._fault, None
+            raise fault
+
+    def _step_once(self) -> None:
+        self._step_count += 1
+        self._step(self._progress, self._touched)
+        if self._sampler_faults:
+            self._fail_faulted(self._touched)
+
+    def _call_events(self, steps: int) -> list[RowEvent]:
+        """The call's events from its rows' tokens (rows with fewer than ``steps`` of them
+        keep theirs, see :meth:`step`); finished rows leave."""
         outputs: list[RowEvent] = []
         failures: list[RowEvent] = []
         leaving: list[int] = []
-        for row_id, row in touched.items():
+        for row_id, row in self._touched.items():
+            if self._rows.get(row_id) is not row:  # removed after a step run ahead
+                continue
             if self._keeps_tokens(row, steps):
                 continue
             output = self._decode(row)
@@ -434,10 +497,12 @@ class BatchEngine:
             if row.failure is not None:
                 del self._rows[row_id]
                 failures.append(RowFailed(row=row_id, message=row.failure))
-            else:
-                assert self._is_stepped(row), "mlx-lm finished a row that its decoder did not"
+            else:  # (a row parked after steps ran ahead of the call is not stepped)
+                assert self._is_stepped(row) or row.parked is not None, (
+                    "mlx-lm finished a row that its decoder did not"
+                )
         self._remove_uids(leaving)
-        return [*progress.values(), *outputs, *failures]
+        return [*self._progress.values(), *outputs, *failures]
 
     def _keeps_tokens(self, row: _Row, steps: int) -> bool:
         """Whether a row keeps its tokens for a later call: it has fewer than ``steps``, none

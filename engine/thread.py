@@ -9,6 +9,10 @@ the GIL for up to 5 ms each time the engine thread comes back from an MLX call t
 and a step makes many such calls: a GPU step of 256 rows took three times as long as mlx-lm's
 own while the event loop was busy. While an engine thread runs, the interval is
 ``SWITCH_INTERVAL_S`` (design/008).
+
+While no job waits, the thread can do ``idle`` work, a piece at a time, looking for a job after
+each piece: the batch engine steps ahead of its next call there, so that it does not sit idle
+while the event loop hands out the last call's tokens (design/008).
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ class EngineThread:
     ) -> None:
         """``switch_interval_s``: the GIL switch interval while the thread runs (None: leave
         Python's setting alone)."""
+        # Work for the thread while no job waits: one piece a call, run on the thread; it
+        # returns whether it did any (False: the thread waits for the next job). It is set
+        # by the engine that owns the thread's MLX state.
+        self.idle: Callable[[], bool] | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
@@ -81,10 +89,25 @@ class EngineThread:
 
     def _loop(self) -> None:
         try:
-            while (job := self._jobs.get()) is not None:
+            while (job := self._next_job()) is not None:
                 job.deliver(outcome.capture(job.fn))
         finally:
             _clear_streams()
+
+    def _next_job(self) -> _Job | None:
+        """The next job (None: close); until one waits, pieces of the idle work run."""
+        while (idle := self.idle) is not None:
+            try:
+                return self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                if not idle():
+                    break
+            except Exception:
+                logger.exception("the engine thread's idle work failed; it waits for a job")
+                break
+        return self._jobs.get()
 
     def _submit(self, fn: Callable[[], Any], deliver: Callable[[outcome.Outcome], None]) -> None:
         if self._closed:

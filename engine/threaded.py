@@ -55,6 +55,10 @@ class ThreadedEngine:
         self._serial_progress: list[RowProgress] = []
         self._kv_bytes = 0
         self.batch_steps_run = 0  # batch steps run (a call may stop short of those asked)
+        self._steps_counted = 0  # of the current batch's
+        # Between calls the engine thread steps the batch ahead of its next call.
+        self.run_ahead = True
+        thread.idle = self._step_ahead
 
     @classmethod
     async def load(
@@ -155,6 +159,11 @@ class ThreadedEngine:
             self.engine, max_batch=self.max_batch, prefill_chunk=self.prefill_chunk
         )
         self._kv_bytes = 0
+        self._steps_counted = 0
+
+    def _step_ahead(self) -> bool:
+        """The engine thread's idle work: a step of the next batch call, if it may run one."""
+        return self.run_ahead and self._batch is not None and self._batch.step_ahead()
 
     async def _batch_call(self, fn: Callable[[BatchEngine], T]) -> T:
         def call() -> T:
@@ -179,9 +188,10 @@ class ThreadedEngine:
 
     async def batch_step(self, steps: int = 1) -> list[RowEvent]:
         def step(batch: BatchEngine) -> list[RowEvent]:
-            before = batch.steps_run
             events = batch.step(steps)
-            self.batch_steps_run += batch.steps_run - before
+            # Steps run ahead of the call count as its own.
+            self.batch_steps_run += batch.steps_run - self._steps_counted
+            self._steps_counted = batch.steps_run
             return events
 
         return await self._batch_call(step)

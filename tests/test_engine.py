@@ -404,3 +404,79 @@ def test_a_row_with_penalties_stays_in_the_batch(tiny_engine):
     while batch.num_rows:
         batch.step()
         assert batch.solo_row is None
+
+
+def run_ahead(batch: BatchEngine) -> int:
+    """Step ahead as the engine thread does while no job waits; returns the steps run."""
+    steps = 0
+    while batch.step_ahead():
+        steps += 1
+    return steps
+
+
+def test_steps_run_ahead_of_a_call_count_as_its_own_and_change_no_token(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS[:3]]
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    rows = [batch.add(tiny_engine.prepare(p, params)) for p in PROMPTS[:3]]
+    removed = batch.add(tiny_engine.prepare(PROMPTS[3], params))
+    got: dict[int, list[int]] = {row: [] for row in rows}
+    calls = 0
+    while batch.num_rows:
+        calls += 1
+        if calls == 3:  # after steps ran ahead: the row keeps those tokens while parked
+            batch.park(rows[1])
+        if calls == 4:
+            batch.resume(rows[1])
+            batch.remove([removed])  # ... or loses them with the row
+        steps_before = batch.steps_run
+        outputs = [e for e in batch.step(4) if isinstance(e, RowOutput)]
+        steps_in_call = batch.steps_run - steps_before
+        for event in outputs:
+            assert event.row != removed or calls < 4
+            if event.row != removed:
+                got[event.row].extend(event.delta.token_ids)
+        if calls == 5:  # three steps ran ahead of this call: it ran the fourth
+            assert steps_in_call == 1
+            assert [len(e.delta.token_ids) for e in outputs] == [4, 4, 4]
+        assert run_ahead(batch) <= 3
+    assert [got[row] for row in rows] == expected
+    assert batch.kv_bytes == 0
+
+
+def test_a_row_that_ends_in_a_step_run_ahead_cannot_be_parked_and_ends_with_the_next_call(
+    tiny_engine,
+):
+    params = SamplingParams(temperature=0, max_tokens=6)
+    expected = solo_tokens(tiny_engine, PROMPTS[0], params)
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    row = batch.add(tiny_engine.prepare(PROMPTS[0], params))
+    (first,) = [e for e in batch.step(4) if isinstance(e, RowOutput)]  # its first token
+    assert len(first.delta.token_ids) == 1 and batch.solo_row == row
+    assert run_ahead(batch) == 3
+    (middle,) = [e for e in batch.step(4) if isinstance(e, RowOutput)]
+    assert len(middle.delta.token_ids) == 4 and middle.stats is None
+    assert run_ahead(batch) == 1  # its sixth token ends it
+    assert not batch.can_park(row)
+    (last,) = [e for e in batch.step(4) if isinstance(e, RowOutput)]
+    assert last.stats is not None and last.delta.finish_reason == "length"
+    assert [*first.delta.token_ids, *middle.delta.token_ids, *last.delta.token_ids] == expected
+    assert batch.num_rows == 0 and batch.kv_bytes == 0
+
+
+def test_a_step_that_fails_ahead_of_a_call_raises_from_the_next_call(tiny_engine, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=20)
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    rows = [batch.add(tiny_engine.prepare(p, params)) for p in PROMPTS[:2]]
+    while not any(isinstance(e, RowOutput) for e in batch.step(4)):
+        pass
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(batch, "_step", broken)
+    assert not batch.step_ahead()
+    assert not batch.step_ahead()  # none runs ahead after a fault
+    with pytest.raises(RuntimeError, match="the device went away"):
+        batch.remove(rows[:1])
+    batch.close()

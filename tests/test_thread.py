@@ -60,3 +60,34 @@ def test_call_blocks_from_plain_threads_and_close_refuses_new_jobs():
         assert engine_thread.call(threading.get_ident) == engine_thread.ident
     with pytest.raises(RuntimeError, match="closed"):
         engine_thread.call(lambda: None)
+
+
+async def test_idle_work_runs_between_jobs_and_gives_way_to_the_next_job():
+    pieces = 0
+    piece_done = threading.Event()
+
+    def idle() -> bool:
+        nonlocal pieces
+        time.sleep(0.001)
+        pieces += 1
+        piece_done.set()
+        return pieces < 5_000  # five seconds' worth, unless jobs cut in
+
+    with EngineThread() as engine_thread:
+        engine_thread.idle = idle
+        await engine_thread.run(lambda: None)  # the thread looks for idle work after a job
+        await trio.to_thread.run_sync(piece_done.wait)
+        pieces_then = await engine_thread.run(lambda: pieces)
+        assert 1 <= pieces_then < 5_000
+        assert threading.current_thread().ident != engine_thread.ident
+
+
+async def test_idle_work_that_raises_is_logged_and_the_thread_serves_jobs(caplog):
+    def idle() -> bool:
+        raise ValueError("idle broke")
+
+    with EngineThread() as engine_thread:
+        engine_thread.idle = idle
+        assert await engine_thread.run(lambda: "first") == "first"
+        assert await engine_thread.run(lambda: "second") == "second"
+    assert "idle work failed" in caplog.text
