@@ -55,6 +55,8 @@ LOOP_SHARE = 0.03
 # Bounds how long a row's tokens wait to be sent: 16 steps are 40-60 ms at one row on an H200,
 # 0.3 s at 256 rows.
 MAX_STEPS_PER_CALL = 16
+# How often an empty batch looks again for the rows on their way to it.
+ARRIVAL_POLL_S = 0.0005
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +118,12 @@ class BatchGroup:
         inbox_size: int,
         admission_window_s: float = 0.0,
         steps_per_call: int | None = None,
+        rows_on_their_way: Callable[[], int] = lambda: 0,
     ) -> None:
+        """``rows_on_their_way``: requests that may soon send an :class:`AddRow` (being
+        submitted); an empty batch waits up to ``admission_window_s`` for them."""
         self.engine = engine
+        self._rows_on_their_way = rows_on_their_way
         self.max_batch = max_batch
         self.admission_window_s = admission_window_s
         self.fixed_steps_per_call = steps_per_call
@@ -233,10 +239,7 @@ class BatchGroup:
         """Admit, step once, give the lease back when empty, ask for it when there is work."""
         if self._lease is not None:
             if not self._members and self._pending and self.admission_window_s > 0:
-                # An empty batch waits a moment so that a burst of arrivals is prefilled
-                # together instead of one row first and the rest a whole step later.
-                await trio.sleep(self.admission_window_s)
-                await self._take_waiting_messages()
+                await self._wait_for_arrivals()
             await self._admit()
             await self._drop_departed()
             if self._num_active() > 0:
@@ -250,6 +253,16 @@ class BatchGroup:
         if self._lease is None and (self._pending or self._members) and not self._asked:
             self._asked = True
             await self._arbiter.send(Acquire("batch", self.inbox))
+
+    async def _wait_for_arrivals(self) -> None:
+        """Before an empty batch's first step: wait, up to the admission window, for the rows
+        on their way, so that a burst is prefilled together instead of one row first and the
+        rest a whole step later (and in one batch of equal offsets, which steps faster). A
+        lone request does not wait (the window was 1-2% of a 128-token stream on an H200)."""
+        deadline = trio.current_time() + self.admission_window_s
+        while self._rows_on_their_way() > 0 and trio.current_time() < deadline:
+            await trio.sleep(ARRIVAL_POLL_S)
+        await self._take_waiting_messages()
 
     async def _admit(self) -> None:
         """Add the waiting rows that fit, in one engine call."""

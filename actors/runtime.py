@@ -55,8 +55,9 @@ class RuntimeConfig:
     buffers for a slow consumer; ``idle_timeout_s``: how long an event may wait for the consumer
     before the session is cancelled ``consumer_idle``. ``step_timeout_s``: the step watchdog.
     ``unhealthy_after_faults``: consecutive step faults that make ``is_healthy`` false.
-    ``admission_window_s``: how long an empty batch waits for more arrivals before its first
-    step, so a burst is prefilled together. ``steps_per_call``: batch steps per engine call
+    ``admission_window_s``: how long an empty batch may wait, before its first step, for
+    requests on their way to it (being submitted), so that a burst is prefilled together; a
+    lone request does not wait. ``steps_per_call``: batch steps per engine call
     (tokens per row per event); None picks it per call, 1 unless the event loop's measured CPU
     time per call is a noticeable share of the call's steps (see ``BatchGroup``).
     """
@@ -123,6 +124,7 @@ class Runtime:
             inbox_size=inbox_size,
             admission_window_s=config.admission_window_s,
             steps_per_call=config.steps_per_call,
+            rows_on_their_way=self.rows_on_their_way,
         )
         self.serial = SerialExecutor(
             engine, self.arbiter.inbox, step_timeout_s=config.step_timeout_s
@@ -134,6 +136,7 @@ class Runtime:
             serial=self.serial.inbox,
         )
         self._ids = itertools.count(1)
+        self._submitting = 0  # calls of submit not yet returned
         self._sessions: dict[str, Session] = {}
         self._sessions_nursery: trio.Nursery | None = None
         self._no_sessions = trio.Event()
@@ -160,6 +163,15 @@ class Runtime:
         """
         if self._closed:
             raise RuntimeClosedError("the runtime is shutting down and admits no new requests")
+        self._submitting += 1
+        try:
+            return await self._submit(request)
+        finally:
+            self._submitting -= 1
+
+    async def _submit(
+        self, request: GenerationRequest
+    ) -> tuple[Session, trio.MemoryReceiveChannel[Event]]:
         prepared = await self.engine.prepare(request.prompt, request.params)
         lane = self.place(request, self.engine.unbatchable_reason(prepared))
         reply_send, reply_recv = trio.open_memory_channel[gate.Reply](2)
@@ -197,6 +209,12 @@ class Runtime:
         self._rows_by_lane[lane] += 1
         self._sessions_nursery.start_soon(self._run_session, session, reply_recv)
         return session, consumer_recv
+
+    def rows_on_their_way(self) -> int:
+        """Requests that may soon ask the batch for a row: being submitted, or started on the
+        batch lane and not yet there. An empty batch waits for them (``admission_window_s``)."""
+        sessions = sum(s.is_on_its_way_to_the_batch for s in self._sessions.values())
+        return self._submitting + sessions
 
     async def _run_session(
         self, session: Session, admission: trio.MemoryReceiveChannel[gate.Reply]

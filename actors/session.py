@@ -43,6 +43,7 @@ from mlx_trio.engine.params import PreparedRequest
 logger = logging.getLogger(__name__)
 
 LANE_BUFFER = 16
+_BEFORE_ITS_LANE = frozenset(("created", "queued", "preparing"))
 CLEANUP_GRACE_S = 1.0
 
 
@@ -81,6 +82,7 @@ class Session:
         self._scope = trio.CancelScope(deadline=deadline)
         self._created_at = trio.current_time()
         self._running_at: float | None = None
+        self._row_sent = False  # its AddRow went to the batch group
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._num_generated = 0
@@ -121,6 +123,11 @@ class Session:
                 outcome = Cancelled(self._cancel_reason(), self._usage())
             await self._publish_outcome(outcome)
 
+    @property
+    def is_on_its_way_to_the_batch(self) -> bool:
+        """Whether the session will add a row to the batch and has not yet asked for it."""
+        return self.lane == "batch" and not self._row_sent and self.state in _BEFORE_ITS_LANE
+
     def _cancel_reason(self) -> CancelReason:
         if self.cancel_reason is not None:
             return self.cancel_reason
@@ -135,6 +142,7 @@ class Session:
                 lease = await acquire(self._links.arbiter, "serial")
                 self._links.serial.send_nowait(SerialJob(self.request, lease, inbox))
             else:
+                self._row_sent = True
                 await self._links.batch.send(AddRow(self.request, inbox))
             self.state = "running"
             self._running_at = trio.current_time()

@@ -493,3 +493,19 @@ async def test_several_steps_a_call_still_cancel_and_count_tokens(autojump_clock
         assert 0 < outcome.usage.completion_tokens < 100
     # Four steps a call, but for the two calls that gave a row its first token.
     assert 4 * (engine.num_batch_calls - 2) <= engine.num_batch_steps < 4 * engine.num_batch_calls
+
+
+async def test_a_lone_request_starts_at_once_and_a_burst_joins_the_batch_in_one_call(
+    autojump_clock,
+):
+    async with scripted() as (rt, engine):
+        calls: list[tuple[str, float]] = []
+        engine.on_call = lambda name: calls.append((name, trio.current_time()))
+        submitted = trio.current_time()
+        await rt.collect(request("alone", max_tokens=2))
+        assert calls[0] == ("batch_add", submitted)  # nothing on its way: no window to wait
+        calls.clear()
+        async with trio.open_nursery() as nursery:  # four on their way: the batch waits
+            for i in range(4):
+                nursery.start_soon(rt.collect, request(f"burst {i}", max_tokens=2))
+        assert [name for name, _ in calls].count("batch_add") == 1
