@@ -22,8 +22,8 @@ A call's steps need not all run inside it: between calls, while the caller hands
 call's tokens, the engine thread runs up to ``steps - 1`` of the next call's steps ahead of it
 (:meth:`BatchEngine.step_ahead`), and the call runs the rest. The rows it steps are the rows as
 they are then; a row removed or parked meanwhile loses or keeps those tokens as it would any
-other. Without this the engine would wait out every hand-off: on an H200 a host-bound step of one
-row is 3.5 ms, and the hand-off between two calls about as long (design/008).
+other. Without this the engine waited out every hand-off: on an H200, where a step is mostly host
+work and the GPU idles while the host waits, that was 3-5% of a wave (design/008, change 13).
 """
 
 from __future__ import annotations
