@@ -441,9 +441,9 @@ class BatchEngine:
         return events
 
     def step_ahead(self) -> bool:
-        """Run one step of the next call before it comes, if it may: fewer than the last
-        call's steps less one have run ahead, no row got its first token since (it goes out
-        at once with the next call), and a row is being stepped. Returns whether it stepped.
+        """Run one step of the next call before it comes, if it may: fewer than ``steps - 1``
+        (the last call's) have run ahead, no row got its first token since (it goes out at
+        once with the next call), and a row is being stepped. Returns whether it stepped.
 
         The engine thread calls this while no job waits. A step that raises here raises from
         the next call instead (whichever it is), and none runs ahead until then.

@@ -55,8 +55,9 @@ class ThreadedEngine:
         self._serial_progress: list[RowProgress] = []
         self._kv_bytes = 0
         self.batch_steps_run = 0  # batch steps run (a call may stop short of those asked)
-        self._steps_counted = 0  # of the current batch's
-        # Between calls the engine thread steps the batch ahead of its next call.
+        self._steps_counted = 0  # the current batch's steps_run, as of its last call
+        # Between calls the engine thread steps the batch ahead of its next call (False: it
+        # waits for the call, for measuring what running ahead gains).
         self.run_ahead = True
         thread.idle = self._step_ahead
 
