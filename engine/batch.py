@@ -384,17 +384,15 @@ class BatchEngine:
         self._rows[row_id].parked = self._drop_solo()
         self.resume(row_id)
 
-    def _solo_step(
-        self, solo: _Solo, progress: dict[int, RowProgress], touched: dict[int, _Row]
-    ) -> None:
+    def _solo_step(self, solo: _Solo) -> None:
         token, logprobs = next(solo.steps)
         if solo.unstarted:  # its prompt was prefilled in this step
             prefilled = len(solo.unstarted[0])
-            progress[solo.row_id] = RowProgress(row=solo.row_id, done=prefilled, total=prefilled)
+            self._progress[solo.row_id] = RowProgress(solo.row_id, prefilled, prefilled)
             solo.unstarted = None
         solo.tokens.append(token)
         row = self._rows[solo.row_id]
-        self._take(row, token, logprobs, touched)
+        self._take(row, token, logprobs)
         if token in row.decoder.stop_token_ids or row.num_sampled >= row.decoder.params.max_tokens:
             # The row ends here (generate_step knows no stop tokens): its KV goes now.
             self._solo = None
@@ -470,9 +468,9 @@ class BatchEngine:
 
     def _step_once(self) -> None:
         self._step_count += 1
-        self._step(self._progress, self._touched)
+        self._step()
         if self._sampler_faults:
-            self._fail_faulted(self._touched)
+            self._fail_faulted()
 
     def _call_events(self, steps: int) -> list[RowEvent]:
         """The call's events from its rows' tokens (rows with fewer than ``steps`` of them
@@ -518,19 +516,19 @@ class BatchEngine:
         """Whether a row is still being stepped: in mlx-lm's batch, or the solo row."""
         return row.uid is not None or row.id == self.solo_row
 
-    def _step(self, progress: dict[int, RowProgress], touched: dict[int, _Row]) -> None:
+    def _step(self) -> None:
         self._start_solo()
         if self._solo is not None:
-            self._solo_step(self._solo, progress, touched)
+            self._solo_step(self._solo)
             return
         if not self._row_of_uid:
             return
         prompt_responses, generation_responses = self._generator.next()
-        in_batch = self._row_of_uid
+        in_batch, touched = self._row_of_uid, self._touched
         for response in prompt_responses:
             if (row := in_batch.get(response.uid)) is not None:
                 done, total = response.progress
-                progress[row.id] = RowProgress(row=row.id, done=done, total=total)
+                self._progress[row.id] = RowProgress(row=row.id, done=done, total=total)
         # This runs for every generating row in every step, on the thread that also builds the
         # next step: it is :meth:`_take` inlined, its first-token check done only where a first
         # token can be (a row's first step in the batch).
@@ -551,7 +549,7 @@ class BatchEngine:
                 row.uid = None
                 self._commit(list(response.all_tokens or []), response.prompt_cache)
 
-    def _take(self, row: _Row, token: int, logprobs: mx.array, touched: dict[int, _Row]) -> None:
+    def _take(self, row: _Row, token: int, logprobs: mx.array) -> None:
         """Keep a token the row sampled in this step (the solo row's; batch rows' are kept
         inline in :meth:`_step`)."""
         self._first_token |= row.num_sampled == 0
@@ -559,7 +557,7 @@ class BatchEngine:
         if row.wants_logprobs:
             row.sampled_logprobs.append(logprobs)
         row.took_at = self._step_count
-        touched[row.id] = row
+        self._touched[row.id] = row
 
     def _decode(self, row: _Row) -> RowOutput | None:
         """The row's output for this call's tokens (None if it got none); ``stats`` is set if
@@ -573,7 +571,7 @@ class BatchEngine:
             return RowOutput(row=row.id, delta=delta)
         return RowOutput(row=row.id, delta=delta, stats=row.decoder.stats())
 
-    def _fail_faulted(self, touched: dict[int, _Row]) -> None:
+    def _fail_faulted(self) -> None:
         """Stop stepping the rows whose sampler failed in this step; the end of the call
         reports their earlier tokens and then their failure. The token a row got in the
         failing step is dropped: it may be the failed sampler's placeholder."""
@@ -590,7 +588,7 @@ class BatchEngine:
                     row.sampled_logprobs.pop()
             if (uid := self._detach(row_id, row)) is not None:
                 uids.append(uid)
-            touched[row_id] = row
+            self._touched[row_id] = row
         self._remove_uids(uids)
 
     def close(self) -> None:
