@@ -31,6 +31,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import platform
 import random
@@ -653,8 +654,13 @@ async def bench_model(
                 for concurrency in args.concurrency:
                     # Single streams are short and noisy: measure them a few times a round.
                     repeats = args.single_repeats if concurrency == 1 else 1
-                    for _ in range(repeats):
-                        for system in systems_for(concurrency, args.systems):
+                    for i in range(repeats):
+                        systems = systems_for(concurrency, args.systems)
+                        # Every other wave in reverse order, so that no system always runs
+                        # just after another (the paired ratio's raw wave is before or after).
+                        if (r * repeats + i) % 2:
+                            systems = systems[::-1]
+                        for system in systems:
                             await record(bench, entry, system, concurrency, timed=True)
                             save()
                 durations.append(time.perf_counter() - started)
@@ -746,15 +752,45 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def paired_ratio(entry: dict, system: str, base: str, concurrency: int) -> float | None:
-    """The median over waves of ``system``'s rate over the ``base`` wave of the same round
-    (and repeat): steadier than a ratio of medians when the host drifts."""
+def paired_ratios(entry: dict, system: str, base: str, concurrency: int) -> list[float]:
+    """Each wave of ``system`` over the ``base`` wave of the same round (and repeat)."""
     cells = entry.get("results", {})
     a = cells.get(system, {}).get(str(concurrency))
     b = cells.get(base, {}).get(str(concurrency))
-    if not a or not b or len(a["tok_s"]) != len(b["tok_s"]) or not a["tok_s"]:
+    if not a or not b or len(a["tok_s"]) != len(b["tok_s"]):
+        return []
+    return [x / y for x, y in zip(a["tok_s"], b["tok_s"], strict=True)]
+
+
+def paired_ratio(entry: dict, system: str, base: str, concurrency: int) -> float | None:
+    """The median of :func:`paired_ratios`: steadier than a ratio of medians when the host
+    drifts."""
+    ratios = paired_ratios(entry, system, base, concurrency)
+    return statistics.median(ratios) if ratios else None
+
+
+def paired_spread(
+    entry: dict, system: str, base: str, concurrency: int
+) -> dict[str, float | int] | None:
+    """How far to trust :func:`paired_ratio`: the waves, their quartiles, and a 95% interval
+    for the median (distribution-free: the order statistics ``k`` in from either end, for the
+    largest ``k`` with P(Binomial(n, 1/2) < k) <= 2.5%; none below 6 waves)."""
+    ratios = sorted(paired_ratios(entry, system, base, concurrency))
+    n = len(ratios)
+    k, tail = 0, math.comb(n, 0) / 2**n
+    while tail <= 0.025:
+        k += 1
+        tail += math.comb(n, k) / 2**n
+    if k == 0:
         return None
-    return statistics.median(x / y for x, y in zip(a["tok_s"], b["tok_s"], strict=True))
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {
+        "waves": n,
+        "q1": q1,
+        "q3": q3,
+        "median_low": ratios[k - 1],
+        "median_high": ratios[n - k],
+    }
 
 
 def summarize(doc: dict) -> dict:
@@ -775,10 +811,9 @@ def summarize(doc: dict) -> dict:
                 row["in-process / raw generate_step"] = ratio(row["mlx-trio in-process"], single)
                 row["serial / raw generate_step"] = ratio(row["mlx-trio serial"], single)
             base = "raw generate_step" if concurrency == 1 else "raw BatchGenerator"
-            row["paired"] = {
-                system: paired_ratio(entry, system, base, concurrency)
-                for system in ("mlx-trio in-process", "mlx-trio HTTP")
-            }
+            runtimes = ("mlx-trio in-process", "mlx-trio HTTP")
+            row["paired"] = {s: paired_ratio(entry, s, base, concurrency) for s in runtimes}
+            row["paired_spread"] = {s: paired_spread(entry, s, base, concurrency) for s in runtimes}
             rows.append(row)
         limit = entry.get("bandwidth_limit_steps_s")
         singles = [median_rate(entry, s, 1) for s in SYSTEMS if s != "mlx-trio HTTP"]
@@ -799,6 +834,13 @@ def _cell(value: float | None, base: float | None) -> str:
     text = f"{value:,.0f}"
     r = ratio(value, base)
     return text if r is None else f"{text} ({r:.2f}x)"
+
+
+def _paired_cell(system: str, median: float, spread: dict | None) -> str:
+    if spread is None:
+        return f"{system} {median:.2f}x"
+    low, high, waves = spread["median_low"], spread["median_high"], spread["waves"]
+    return f"{system} {median:.2f}x [{low:.2f}-{high:.2f}], {waves}"
 
 
 def table(doc: dict) -> str:
@@ -822,14 +864,19 @@ def table(doc: dict) -> str:
             lines.append(f"| {row['streams']} | " + " | ".join(cells) + " |")
         paired = [
             f"{row['streams']}: "
-            + ", ".join(f"{system} {r:.2f}x" for system, r in row["paired"].items() if r)
+            + ", ".join(
+                _paired_cell(system, r, row["paired_spread"].get(system))
+                for system, r in row["paired"].items()
+                if r
+            )
             for row in model["rows"]
             if any(row["paired"].values())
         ]
         if paired:
             lines.append(
                 "\npaired (median over waves of the ratio to the raw wave of the same round; raw "
-                "generate_step at 1 stream):\n" + "\n".join(paired)
+                "generate_step at 1 stream; [95% interval of the median], waves):\n"
+                + "\n".join(paired)
             )
         on_gpu = doc["machine"]["device"] == "gpu"
         if on_gpu and model["bandwidth_limit_steps_s"] and model["best_single_stream_tok_s"]:
