@@ -897,7 +897,15 @@ def plot(doc: dict, png: Path) -> None:
     import matplotlib.ticker
 
     summary = summarize(doc)
-    fig, axes = plt.subplots(1, len(summary), figsize=(6.5 * len(summary), 4.8), squeeze=False)
+    fig, axes = plt.subplots(
+        2,
+        len(summary),
+        figsize=(max(6.5 * len(summary), 9.0), 8.4),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [3, 2]},
+    )
+    for ax, model in zip(axes[1], summary.values(), strict=True):
+        plot_paired(ax, model["rows"])
     for ax, (name, model) in zip(axes[0], summary.items(), strict=True):
         for system, marker in zip(SYSTEMS, "osDx^v", strict=True):
             points = [(r["streams"], r[system]) for r in model["rows"] if r[system] is not None]
@@ -905,7 +913,8 @@ def plot(doc: dict, png: Path) -> None:
                 xs, ys = zip(*points, strict=True)
                 style = "none" if system in SINGLE_ONLY else "-"
                 ax.plot(xs, ys, marker=marker, linestyle=style, label=system)
-        if model["bandwidth_limit_steps_s"] and doc["machine"]["device"] == "gpu":
+        single = any(r["streams"] == 1 for r in model["rows"])
+        if single and model["bandwidth_limit_steps_s"] and doc["machine"]["device"] == "gpu":
             ax.plot(
                 [1],
                 [model["bandwidth_limit_steps_s"]],
@@ -932,6 +941,34 @@ def plot(doc: dict, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+def plot_paired(ax: Any, rows: list[dict]) -> None:
+    """The runtime's paired ratios to raw by streams, with the 95% interval of each median
+    where there are waves enough, against the goal."""
+    import matplotlib.ticker
+
+    for offset, system in ((0.96, "mlx-trio in-process"), (1.04, "mlx-trio HTTP")):
+        points = [(r["streams"], r["paired"][system], r["paired_spread"][system]) for r in rows]
+        points = [p for p in points if p[1] is not None]
+        if not points:
+            continue
+        xs = [x * offset for x, _, _ in points]  # side by side, not on top of each other
+        ys = [y for _, y, _ in points]
+        low = [y - (sp["median_low"] if sp else y) for _, y, sp in points]
+        high = [(sp["median_high"] if sp else y) - y for _, y, sp in points]
+        ax.errorbar(xs, ys, yerr=[low, high], marker="o", linestyle="none", capsize=3, label=system)
+    ax.axhline(0.95, color="k", linestyle="--", linewidth=0.8, label="goal (0.95x)")
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["streams"] for r in rows])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("paired ratio to raw (generate_step at 1)")
+    ax.set_title("each wave over raw's of its round: median, 95% interval", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def main() -> None:
