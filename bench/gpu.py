@@ -18,7 +18,10 @@ Every system gets the same prompts (``prompt_tokens`` fixed random ids per promp
 runtime's ``prepare`` is replaced by that lookup, so no tokenizer work is timed), greedy
 decoding, ``max_tokens`` new tokens, stop on the tokenizer's end-of-turn id, ``max_batch`` rows
 and mlx-trio's prefill settings. Throughput is generated tokens over wall time per wave (first
-request to last token). Also measured: where single-stream decode time goes ("anatomy").
+request to last token). Every other wave runs the systems in reverse order; each runtime wave
+is also paired with the raw wave of its round, and the median of those ratios gets a 95%
+interval (the plot's lower panels), since the host's speed drifts from wave to wave. Also
+measured: where single-stream decode time goes ("anatomy").
 
 Usage: ``python -m bench.gpu`` (writes ``bench/results/gpu.json`` and ``gpu.png``);
 ``python -m bench.gpu --quick`` (a small model, for a CPU check of the whole path);
@@ -894,7 +897,6 @@ def plot(doc: dict, png: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     summary = summarize(doc)
     fig, axes = plt.subplots(
@@ -922,12 +924,8 @@ def plot(doc: dict, png: Path) -> None:
                 markersize=11,
                 label="1-stream bandwidth limit",
             )
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([r["streams"] for r in model["rows"]])
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        streams_axis(ax, model["rows"])
         ax.set_yscale("log")
-        ax.set_xlabel("concurrent streams")
         ax.set_ylabel("generated tok/s")
         ax.set_title(f"Llama-3.2-1B shape, random weights, {name}")
         ax.grid(True, which="both", alpha=0.3)
@@ -943,11 +941,20 @@ def plot(doc: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def streams_axis(ax: Any, rows: list[dict]) -> None:
+    """A log2 x axis ticked at the measured stream counts."""
+    import matplotlib.ticker
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["streams"] for r in rows])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel("concurrent streams")
+
+
 def plot_paired(ax: Any, rows: list[dict]) -> None:
     """The runtime's paired ratios to raw by streams, with the 95% interval of each median
     where there are waves enough, against the goal."""
-    import matplotlib.ticker
-
     for offset, system in ((0.96, "mlx-trio in-process"), (1.04, "mlx-trio HTTP")):
         points = [(r["streams"], r["paired"][system], r["paired_spread"][system]) for r in rows]
         points = [p for p in points if p[1] is not None]
@@ -960,11 +967,7 @@ def plot_paired(ax: Any, rows: list[dict]) -> None:
         ax.errorbar(xs, ys, yerr=[low, high], marker="o", linestyle="none", capsize=3, label=system)
     ax.axhline(0.95, color="k", linestyle="--", linewidth=0.8, label="goal (0.95x)")
     ax.axhline(1.0, color="grey", linewidth=0.5)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([r["streams"] for r in rows])
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.set_xlabel("concurrent streams")
+    streams_axis(ax, rows)
     ax.set_ylabel("paired ratio to raw (generate_step at 1)")
     ax.set_title("each wave over raw's of its round: median, 95% interval", fontsize=10)
     ax.grid(True, alpha=0.3)
