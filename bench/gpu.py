@@ -21,7 +21,8 @@ and mlx-trio's prefill settings. Throughput is generated tokens over wall time p
 request to last token). Every other wave runs the systems in reverse order; each runtime wave
 is also paired with the raw wave of its round, and the median of those ratios gets a 95%
 interval (the plot's lower panels), since the host's speed drifts from wave to wave. Also
-measured: where single-stream decode time goes ("anatomy").
+measured: the time inside and around mlx-lm's ``BatchGenerator.next()`` on the engine thread
+(``NextTimer``), and where single-stream decode time goes ("anatomy").
 
 Usage: ``python -m bench.gpu`` (writes ``bench/results/gpu.json`` and ``gpu.png``);
 ``python -m bench.gpu --quick`` (a small model, for a CPU check of the whole path);
@@ -44,7 +45,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,50 @@ def prompt_ids(text: str, length: int) -> tuple[int, ...]:
     return tuple(rng.randrange(256, 128000) for _ in range(length))
 
 
+class NextTimer:
+    """Wall and CPU time inside mlx-lm's ``BatchGenerator.next()``, one decode step of a batch as
+    raw batching and the runtime's batch lane both run it, on the engine thread. It tells a cost
+    inside the steps (the same step run slower, say beside the event loop) from one around them
+    (thread hops, gaps between calls, bookkeeping). Wraps the method for the whole process, once:
+    use :func:`next_timer`."""
+
+    def __init__(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        self.calls, self.wall_s, self.cpu_s = 0, 0.0, 0.0
+        untimed = BatchGenerator.next
+
+        def timed(generator: Any, *args: Any, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return untimed(generator, *args, **kwargs)
+            finally:
+                self.wall_s += time.perf_counter() - wall
+                self.cpu_s += time.thread_time() - cpu
+                self.calls += 1
+
+        BatchGenerator.next = timed
+
+    def take(self, wave_s: float | None = None) -> dict[str, float]:
+        """Since the last take (call it between waves, while no step runs): ``next()`` calls, the
+        wall and CPU seconds of one, and the wave's seconds outside ``next()`` per call."""
+        calls, wall, cpu = self.calls, self.wall_s, self.cpu_s
+        self.calls, self.wall_s, self.cpu_s = 0, 0.0, 0.0
+        if not calls or wave_s is None:
+            return {}
+        return {
+            "next_calls": calls,
+            "next_s": wall / calls,
+            "next_cpu_s": cpu / calls,
+            "outside_next_s": (wave_s - wall) / calls,
+        }
+
+
+@cache
+def next_timer() -> NextTimer:
+    return NextTimer()
+
+
 class TokenIdPort:
     """The runtime's engine port, with ``prepare`` replaced by :func:`prompt_ids`.
 
@@ -332,6 +377,7 @@ class Bench:
         self.max_batch = max_batch_of(args)
         self.rt, self.rt_one_step = runtimes
         self.http_url = url
+        self.next_timer = next_timer()
 
     def texts(self, concurrency: int) -> list[str]:
         return [prompt_text(i) for i in range(concurrency)]
@@ -350,19 +396,23 @@ class Bench:
             )
         if system == "raw BatchGenerator":
             prompts = [prompt_ids(t, self.args.prompt_tokens) for t in texts]
+            self.next_timer.take()
             start = time.perf_counter()
             tokens, steps = await thread.run(
                 raw_batch_generator, self.engine, prompts, self.args.max_tokens, self.max_batch
             )
             seconds = time.perf_counter() - start
-            return Wave(tokens, seconds, extra={"steps": steps, "step_s": seconds / steps})
+            extra = {"steps": steps, "step_s": seconds / steps, **self.next_timer.take(seconds)}
+            return Wave(tokens, seconds, extra=extra)
         if system in ("mlx-trio in-process", ONE_STEP, "mlx-trio serial"):
             self.port.take_step_times()
+            self.next_timer.take()
             rt = self.rt_one_step if system == ONE_STEP else self.rt
             wave = await self._inprocess(rt, texts, reproducible=system == "mlx-trio serial")
             if system == "mlx-trio serial":
                 return wave
-            return Wave(wave.tokens, wave.seconds, wave.errors, self.port.take_step_times())
+            extra = {**self.port.take_step_times(), **self.next_timer.take(wave.seconds)}
+            return Wave(wave.tokens, wave.seconds, wave.errors, extra)
         if system == "mlx-trio HTTP":
             return await self._http(concurrency)
         raise ValueError(system)
@@ -796,6 +846,16 @@ def paired_spread(
     }
 
 
+def next_times(entry: dict, system: str, concurrency: int) -> dict[str, float] | None:
+    """Medians over waves of the :class:`NextTimer` figures, in ms a step."""
+    cell = entry.get("results", {}).get(system, {}).get(str(concurrency)) or {}
+    extras = [x for x in cell.get("extra", []) if "next_s" in x]
+    if not extras:
+        return None
+    keys = ("next_s", "next_cpu_s", "outside_next_s")
+    return {key[:-2] + "_ms": 1e3 * statistics.median(x[key] for x in extras) for key in keys}
+
+
 def summarize(doc: dict) -> dict:
     """Per model: median tok/s per system and streams, ratios to raw, the bandwidth gap."""
     summary = {}
@@ -817,6 +877,8 @@ def summarize(doc: dict) -> dict:
             runtimes = ("mlx-trio in-process", "mlx-trio HTTP")
             row["paired"] = {s: paired_ratio(entry, s, base, concurrency) for s in runtimes}
             row["paired_spread"] = {s: paired_spread(entry, s, base, concurrency) for s in runtimes}
+            stepped = ("raw BatchGenerator", "mlx-trio in-process")
+            row["next"] = {s: t for s in stepped if (t := next_times(entry, s, concurrency))}
             rows.append(row)
         limit = entry.get("bandwidth_limit_steps_s")
         singles = [median_rate(entry, s, 1) for s in SYSTEMS if s != "mlx-trio HTTP"]
@@ -880,6 +942,21 @@ def table(doc: dict) -> str:
                 "\npaired (median over waves of the ratio to the raw wave of the same round; raw "
                 "generate_step at 1 stream; [95% interval of the median], waves):\n"
                 + "\n".join(paired)
+            )
+        inside = [
+            f"{row['streams']}: "
+            + "; ".join(
+                f"{system} {t['next_ms']:.2f} / {t['next_cpu_ms']:.2f}, {t['outside_next_ms']:.2f}"
+                for system, t in row.get("next", {}).items()
+            )
+            for row in model["rows"]
+            if row.get("next")
+        ]
+        if inside:
+            lines.append(
+                "\ninside mlx-lm's BatchGenerator.next(), ms a step, medians of waves (wall / "
+                "engine thread's CPU, then the wave's time outside next() a step):\n"
+                + "\n".join(inside)
             )
         on_gpu = doc["machine"]["device"] == "gpu"
         if on_gpu and model["bandwidth_limit_steps_s"] and model["best_single_stream_tok_s"]:
