@@ -52,10 +52,9 @@ class EngineThread:
     ) -> None:
         """``switch_interval_s``: the GIL switch interval while the thread runs (None: leave
         Python's setting alone)."""
-        # Work for the thread while no job waits: one piece a call, run on the thread; it
-        # returns whether it did any (False: the thread waits for the next job). It is set
-        # by the engine that owns the thread's MLX state.
-        self.idle: Callable[[], bool] | None = None
+        # Work for the thread while no job waits (see add_idle_work), one list for every
+        # engine that shares the thread.
+        self._idle_work: list[Callable[[], bool]] = []
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
@@ -87,6 +86,12 @@ class EngineThread:
         if self._previous_interval_s is not None:
             sys.setswitchinterval(self._previous_interval_s)
 
+    def add_idle_work(self, work: Callable[[], bool]) -> None:
+        """Run ``work`` on the thread while no job waits, a piece a call; it returns whether it
+        did any. Each engine on the thread adds its own; while no job waits, each piece goes to
+        the first that has work, and once none has, the thread waits for the next job."""
+        self._idle_work.append(work)
+
     def _loop(self) -> None:
         try:
             while (job := self._next_job()) is not None:
@@ -96,13 +101,13 @@ class EngineThread:
 
     def _next_job(self) -> _Job | None:
         """The next job (None: close); until one waits, pieces of the idle work run."""
-        while (idle := self.idle) is not None:
+        while self._idle_work:
             try:
                 return self._jobs.get_nowait()
             except queue.Empty:
                 pass
             try:
-                if not idle():
+                if not any(work() for work in self._idle_work):
                     break
             except Exception:
                 logger.exception("the engine thread's idle work failed; it waits for a job")

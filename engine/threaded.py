@@ -59,7 +59,7 @@ class ThreadedEngine:
         # Between calls the engine thread steps the batch ahead of its next call (False: it
         # waits for the call, for measuring what running ahead gains).
         self.run_ahead = True
-        thread.idle = self._step_ahead
+        thread.add_idle_work(self._step_ahead)
 
     @classmethod
     async def load(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -74,7 +75,7 @@ async def test_idle_work_runs_between_jobs_and_gives_way_to_the_next_job():
         return pieces < 5_000  # five seconds' worth, unless jobs cut in
 
     with EngineThread() as engine_thread:
-        engine_thread.idle = idle
+        engine_thread.add_idle_work(idle)
         await engine_thread.run(lambda: None)  # the thread looks for idle work after a job
         await trio.to_thread.run_sync(piece_done.wait)
         pieces_then = await engine_thread.run(lambda: pieces)
@@ -86,7 +87,32 @@ async def test_idle_work_that_raises_is_logged_and_the_thread_serves_jobs(caplog
         raise ValueError("idle broke")
 
     with EngineThread() as engine_thread:
-        engine_thread.idle = idle
+        engine_thread.add_idle_work(idle)
         assert await engine_thread.run(lambda: "first") == "first"
         assert await engine_thread.run(lambda: "second") == "second"
     assert "idle work failed" in caplog.text
+
+
+async def test_idle_work_of_every_engine_on_the_thread_runs():
+    # Two engines share one thread (the GPU benchmark's in-process runtime and HTTP server):
+    # each steps its own batch ahead, the second's work does not replace the first's.
+    pieces = {"first": 0, "second": 0}
+    both_done = threading.Event()
+
+    def work_of(name: str) -> Callable[[], bool]:
+        def work() -> bool:
+            if pieces[name] == 3:
+                if all(n == 3 for n in pieces.values()):
+                    both_done.set()
+                return False
+            pieces[name] += 1
+            return True
+
+        return work
+
+    with EngineThread() as engine_thread:
+        engine_thread.add_idle_work(work_of("first"))
+        engine_thread.add_idle_work(work_of("second"))
+        await engine_thread.run(lambda: None)  # the thread looks for idle work after a job
+        await trio.to_thread.run_sync(both_done.wait, 5.0)
+        assert await engine_thread.run(lambda: dict(pieces)) == {"first": 3, "second": 3}
