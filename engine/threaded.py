@@ -56,9 +56,7 @@ class ThreadedEngine:
         self._kv_bytes = 0
         self.batch_steps_run = 0  # batch steps run (a call may stop short of those asked)
         self._steps_counted = 0  # the current batch's steps_run, as of its last call
-        # Between calls the engine thread steps the batch ahead of its next call (False: it
-        # waits for the call, for measuring what running ahead gains).
-        self.run_ahead = True
+        # Between calls the engine thread steps the batch ahead of its next call.
         thread.add_idle_work(self._step_ahead)
 
     @classmethod
@@ -164,7 +162,7 @@ class ThreadedEngine:
 
     def _step_ahead(self) -> bool:
         """The engine thread's idle work: a step of the next batch call, if it may run one."""
-        return self.run_ahead and self._batch is not None and self._batch.step_ahead()
+        return self._batch is not None and self._batch.step_ahead()
 
     async def _batch_call(self, fn: Callable[[BatchEngine], T]) -> T:
         def call() -> T:
