@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.loader import LoadedModel, load_model
@@ -82,6 +83,34 @@ class Generation:
         return self._decoder.stats()
 
 
+class RequestPreparer:
+    """What ``prepare`` needs of a model, its tokenizer and context length, without its weights:
+    an engine process's parent tokenizes with one while the model lives in the child."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, context_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.vocab_size = len(tokenizer)
+
+    def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        """Tokenize and check a request; raises :class:`InvalidRequestError` subclasses."""
+        for token in params.logit_bias:
+            if token >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token id {token} is outside the vocabulary "
+                    f"(size {self.vocab_size})",
+                    param="logit_bias",
+                )
+        tokens = encode_prompt(self.tokenizer, prompt)
+        if not tokens:
+            raise InvalidRequestError("prompt encodes to no tokens", param="prompt")
+        check_fits(len(tokens), params.max_tokens, self.context_length)
+        return PreparedRequest(prompt_tokens=tuple(tokens), params=params)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
 class Engine:
     """A loaded model and what can be done with it, one call at a time."""
 
@@ -98,7 +127,8 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.prefill_step_size = prefill_step_size
-        self.vocab_size = len(loaded.tokenizer)
+        self.preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
+        self.vocab_size = self.preparer.vocab_size
         budget = default_budget_bytes() if prompt_cache_bytes is None else prompt_cache_bytes
         self.prompt_cache = PromptCache(budget, key=loaded.model_id) if budget > 0 else None
         byte_level_table(self.tokenizer)  # built here (0.4 s for 128k ids), not by a request
@@ -121,18 +151,7 @@ class Engine:
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Tokenize and check a request; raises :class:`InvalidRequestError` subclasses."""
-        for token in params.logit_bias:
-            if token >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias token id {token} is outside the vocabulary "
-                    f"(size {self.vocab_size})",
-                    param="logit_bias",
-                )
-        tokens = encode_prompt(self.tokenizer, prompt)
-        if not tokens:
-            raise InvalidRequestError("prompt encodes to no tokens", param="prompt")
-        check_fits(len(tokens), params.max_tokens, self.context_length)
-        return PreparedRequest(prompt_tokens=tuple(tokens), params=params)
+        return self.preparer.prepare(prompt, params)
 
     def generate(
         self, request: PreparedRequest, *, on_progress: ProgressCallback | None = None

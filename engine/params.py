@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
+from typing import Any
 
 from mlx_trio.engine.errors import InvalidRequestError
 
@@ -68,6 +69,13 @@ class SamplingParams:
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
             )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled for the engine process (``mlx_trio.engine.process``), ``logit_bias`` as a
+        dict: a ``MappingProxyType`` does not pickle."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["logit_bias"] = dict(self.logit_bias)
+        return (_unpickle_params, (values,))
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -89,6 +97,10 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             _check_int("logit_bias", token, low=0)
             _check_float("logit_bias", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+
+
+def _unpickle_params(values: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**{**values, "logit_bias": MappingProxyType(values["logit_bias"])})
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
+from types import MappingProxyType
+
 import pytest
 
 from mlx_trio.engine.errors import InvalidRequestError
-from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -61,3 +64,12 @@ def test_defaults_and_edges_are_accepted():
     )
     assert params.is_greedy
     assert not SamplingParams().is_greedy
+
+
+def test_parameters_cross_to_an_engine_process_whole_logit_bias_included():
+    params = SamplingParams(
+        temperature=0.7, logit_bias=MappingProxyType({5: -100.0}), stop=("\n",), seed=3
+    )
+    copied = pickle.loads(pickle.dumps(PreparedRequest((1, 2, 3), params)))
+    assert copied == PreparedRequest((1, 2, 3), params)
+    assert isinstance(copied.params.logit_bias, MappingProxyType)

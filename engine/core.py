@@ -1,0 +1,142 @@
+"""The engine's state between calls, driven one call at a time from a single thread.
+
+:class:`EngineCore` holds what the runtime's engine port changes: the batch (a
+:class:`BatchEngine`) and the serial run (a :class:`Generation`). Every method is synchronous
+and must be called from the one thread that owns MLX: the engine thread
+(``ThreadedEngine``) or the engine process's main thread (``ProcessEngine``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK, BatchEngine
+from mlx_trio.engine.generate import Engine, Generation
+from mlx_trio.engine.outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
+from mlx_trio.engine.params import PreparedRequest
+
+SERIAL_ROW = 0
+
+
+class EngineCore:
+    """The batch and the serial run of one :class:`Engine`; see ``EnginePort`` for each call."""
+
+    def __init__(
+        self, engine: Engine, *, max_batch: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    ) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self._batch: BatchEngine | None = None
+        self._serial: Iterator[Delta] | None = None
+        self._serial_generation: Generation | None = None
+        self._serial_progress: list[RowProgress] = []
+        # KV bytes of the batch as of its last call: read from other threads, which must not
+        # see a step ahead half done.
+        self.kv_bytes = 0
+        self.batch_steps_run = 0  # batch steps run (a call may stop short of those asked)
+        self._steps_counted = 0  # the current batch's steps_run, as of its last call
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the batch plus the serial run."""
+        batch = self._batch.num_rows if self._batch is not None else 0
+        return batch + (self._serial is not None)
+
+    def prompt_cache_statistics(self) -> PromptCacheStatistics | None:
+        cache = self.engine.prompt_cache
+        return cache.statistics() if cache is not None else None
+
+    # -- serial -----------------------------------------------------------------------------
+
+    def serial_start(self, request: PreparedRequest) -> None:
+        def progress(done: int, total: int) -> None:
+            self._serial_progress.append(RowProgress(SERIAL_ROW, done, total))
+
+        generation = self.engine.generate(request, on_progress=progress)
+        self._serial_generation = generation
+        self._serial = iter(generation)
+
+    def serial_step(self) -> list[RowEvent]:
+        assert self._serial is not None and self._serial_generation is not None
+        delta = next(self._serial)
+        events: list[RowEvent] = list(self._serial_progress)
+        self._serial_progress.clear()
+        stats = self._serial_generation.stats() if delta.finish_reason else None
+        events.append(RowOutput(SERIAL_ROW, delta, stats))
+        if stats is not None:
+            self.serial_stop()
+        return events
+
+    def serial_stop(self) -> None:
+        if self._serial is not None:
+            self._serial.close()  # type: ignore[attr-defined]
+        self._serial = None
+        self._serial_generation = None
+        self._serial_progress.clear()
+
+    # -- batch ------------------------------------------------------------------------------
+
+    def batch_reset(self) -> None:
+        """Drop every row and start a fresh batch."""
+        if self._batch is not None:
+            self._batch.close()
+        self._batch = BatchEngine(
+            self.engine, max_batch=self.max_batch, prefill_chunk=self.prefill_chunk
+        )
+        self.kv_bytes = 0
+        self._steps_counted = 0
+
+    def step_ahead(self) -> bool:
+        """Idle work: a step of the next batch call, if it may run one; whether it ran one."""
+        return self._batch is not None and self._batch.step_ahead()
+
+    def _the_batch(self) -> BatchEngine:
+        if self._batch is None:
+            self.batch_reset()
+        assert self._batch is not None
+        return self._batch
+
+    def batch_add(self, requests: Sequence[PreparedRequest]) -> list[int | Exception]:
+        batch = self._the_batch()
+        rows: list[int | Exception] = []
+        for request in requests:
+            try:
+                rows.append(batch.add(request))
+            except Exception as exc:  # a failed add changes nothing: only this row fails
+                rows.append(exc)
+        self.kv_bytes = batch.kv_bytes
+        return rows
+
+    def batch_step(self, steps: int = 1) -> list[RowEvent]:
+        batch = self._the_batch()
+        events = batch.step(steps)
+        # Steps run ahead of the call count as its own.
+        self.batch_steps_run += batch.steps_run - self._steps_counted
+        self._steps_counted = batch.steps_run
+        self.kv_bytes = batch.kv_bytes
+        return events
+
+    def batch_remove(self, rows: list[int]) -> None:
+        batch = self._the_batch()
+        batch.remove(rows)
+        self.kv_bytes = batch.kv_bytes
+
+    def batch_park(self, row: int) -> bool:
+        batch = self._the_batch()
+        if not batch.can_park(row):
+            return False
+        batch.park(row)
+        self.kv_bytes = batch.kv_bytes
+        return True
+
+    def batch_resume(self, row: int) -> None:
+        batch = self._the_batch()
+        batch.resume(row)
+        self.kv_bytes = batch.kv_bytes
+
+    def close(self) -> None:
+        self.serial_stop()
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
