@@ -339,11 +339,16 @@ class BatchGroup:
                 await self._dispatch(key, event)
 
     async def _fail_all(self, make_event: Callable[[int], LaneEvent]) -> None:
-        """End every member's row with ``make_event(row)`` and rebuild the batch."""
+        """End every member's row with ``make_event(row)``, then rebuild the batch. An engine
+        that cannot even do that (its process died) fails the next call again, and so every
+        row still gets its one outcome."""
         members, self._members = self._members, {}
-        await self.engine.batch_reset()
         for key, member in members.items():
             self._deliver(key, member, make_event(member.row))
+        try:
+            await self.engine.batch_reset()
+        except Exception:
+            logger.exception("rebuilding the batch failed too")
 
     # -- fan-out ----------------------------------------------------------------------------
 

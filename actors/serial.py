@@ -104,7 +104,10 @@ class SerialExecutor:
             # that did not clean up after a failure must not leak its run into the next one.
             if started:
                 with trio.move_on_after(1.0, shield=True):
-                    await self.engine.serial_stop()
+                    try:
+                        await self.engine.serial_stop()
+                    except Exception:  # the engine is gone (its process died, say)
+                        logger.exception("ending the serial run failed too")
             events.close()
 
 

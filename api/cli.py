@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="model directory or GGUF file (default: SmolLM2-135M-Instruct)",
     )
     serve.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    serve.add_argument(
+        "--engine",
+        choices=["auto", "thread", "process"],
+        default="auto",
+        help="run the model on a thread beside the server or in a process of its own "
+        "(default: a process on a GPU, a thread on CPU)",
+    )
     serve.add_argument("--max-batch", type=int, default=32, help="rows per batch (1: no batching)")
     serve.add_argument(
         "--max-live", type=int, default=None, help="admitted sessions (default 2x batch)"
@@ -201,6 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model,
         device=args.device,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        engine_process={"auto": None, "thread": False, "process": True}[args.engine],
         runtime=RuntimeConfig(
             max_batch=args.max_batch,
             max_live=args.max_live,

@@ -181,15 +181,18 @@ async def open_runtime(
     engine: EnginePort | None = None,
     device: Literal["auto", "cpu", "gpu"] = "auto",
     prompt_cache_bytes: int | None = None,
+    engine_process: bool | None = None,
     config: RuntimeConfig | None = None,
     **config_fields: object,
 ) -> AsyncIterator[RuntimeHandle]:
     """Start a runtime on ``model`` (None: the embedded default) or on a given ``engine``.
 
     ``prompt_cache_bytes``: the prompt cache's budget (None: an eighth of memory, at most
-    8 GiB; 0: off). Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
-    On exit,
-    admission closes and in-flight requests get ``shutdown_grace_s`` to finish.
+    8 GiB; 0: off). ``engine_process``: run the model in a child process of its own
+    (``ProcessEngine``) instead of on a thread beside the event loop (``ThreadedEngine``);
+    None picks the process on a GPU, where the two threads' shared GIL costs the most
+    (design/009). Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
+    On exit, admission closes and in-flight requests get ``shutdown_grace_s`` to finish.
     """
     config = replace(config or RuntimeConfig(), **config_fields)  # type: ignore[arg-type]
     if engine is not None:
@@ -197,8 +200,24 @@ async def open_runtime(
             yield RuntimeHandle(runtime)
         return
 
+    from mlx_trio.engine.process import ProcessEngine, runs_on_gpu
     from mlx_trio.engine.thread import EngineThread
     from mlx_trio.engine.threaded import ThreadedEngine
+
+    if engine_process is None:
+        engine_process = runs_on_gpu(device)
+    if engine_process:
+        async with (
+            ProcessEngine.load(
+                model,
+                device=device,
+                max_batch=config.max_batch,
+                prompt_cache_bytes=prompt_cache_bytes,
+            ) as port,
+            open_runtime_actors(port, config) as runtime,
+        ):
+            yield RuntimeHandle(runtime)
+        return
 
     with EngineThread() as thread:
         port = await ThreadedEngine.load(

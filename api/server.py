@@ -32,6 +32,7 @@ class ServeOptions:
     model: str | None = None
     device: str = "auto"
     prompt_cache_bytes: int | None = None
+    engine_process: bool | None = None  # None: on a GPU (see open_runtime)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     http: HttpSettings = field(default_factory=HttpSettings)
     keep_alive_timeout_s: float = 5.0
@@ -89,6 +90,7 @@ async def serve(
                 engine=engine,
                 device=options.device,  # type: ignore[arg-type]
                 prompt_cache_bytes=options.prompt_cache_bytes,
+                engine_process=options.engine_process,
                 config=options.runtime,
             ) as rt:
                 state.runtime = rt

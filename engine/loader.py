@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import dequantize_model, load_tokenizer
+from mlx_lm.utils import dequantize_model, load_config, load_tokenizer
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlx_trio.engine.errors import InvalidRequestError, UnsupportedModelError
@@ -92,6 +92,28 @@ def load_model(
         loaded.context_length,
     )
     return loaded
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedTokenizer:
+    """A model's tokenizer and context length, without its weights."""
+
+    tokenizer: TokenizerWrapper
+    model_id: str
+    context_length: int
+
+
+def load_tokenizer_only(spec: str | None, *, progress: Progress | None = None) -> LoadedTokenizer:
+    """Resolve ``spec`` as ``load_model`` does (importing it first if need be) and load only its
+    tokenizer: what an engine process's parent needs to tokenize requests."""
+    resolved = resolve_model(spec, progress=progress)
+    try:
+        config = load_config(resolved.path)
+        tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, KeyError, OSError) as exc:
+        message = f"mlx-lm could not load the tokenizer of {resolved.model_id!r}"
+        raise UnsupportedModelError(f"{message} ({type(exc).__name__})") from exc
+    return LoadedTokenizer(tokenizer, resolved.model_id, _context_length(config, tokenizer))
 
 
 def _select_device(device: Device) -> bool:

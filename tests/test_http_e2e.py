@@ -18,9 +18,10 @@ pytestmark = pytest.mark.e2e
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    with ServerThread(ServeOptions(runtime=RuntimeConfig(max_batch=8))) as running:
+@pytest.fixture(scope="module", params=[False, True], ids=["engine thread", "engine process"])
+def server(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
+    options = ServeOptions(engine_process=request.param, runtime=RuntimeConfig(max_batch=8))
+    with ServerThread(options) as running:
         deadline = time.monotonic() + 120
         while httpx.get(f"{running.url}/health").status_code != 200:
             assert time.monotonic() < deadline, "the model did not load"

@@ -10,6 +10,8 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from mlx_trio.engine.errors import UnsupportedModelError
+from mlx_trio.engine.generate import Engine, RequestPreparer
 from mlx_trio.engine.loader import LoadedModel
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -73,3 +75,18 @@ def make_loaded(context_length: int = 512) -> LoadedModel:
         context_length=context_length,
         device="cpu",
     )
+
+
+def build_engine() -> Engine:
+    """The tiny engine, built where it runs: an engine process's ``build`` (it pickles)."""
+    return Engine(make_loaded(), prefill_step_size=16)
+
+
+def make_preparer() -> RequestPreparer:
+    """The parent's side of a tiny engine process: its tokenizer."""
+    return RequestPreparer(make_tokenizer(), 512)
+
+
+def build_nothing() -> Engine:
+    """An engine process's ``build`` that fails as a model that cannot load does."""
+    raise UnsupportedModelError("model type 'nothing' is not supported by mlx-lm")
