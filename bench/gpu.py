@@ -12,7 +12,9 @@ bfloat16 and 4-bit (``mlx.nn.quantize``, group 64). For each, after the runtime'
 - ``mlx-trio serial``: one ``reproducible`` session, mlx-lm's ``generate_step`` under the
   runtime (1 stream only);
 - ``mlx-trio HTTP``: ``api.server.serve`` in this process, streaming clients in a separate
-  process (``bench.http_load``), so the load generator does not share this process's GIL.
+  process (``bench.http_load``), so the load generator does not share this process's GIL;
+- ``in-process, engine process`` and ``HTTP, engine process``: the same two with the engine in
+  a child process of its own (``ProcessEngine``) instead of on a thread beside the event loop.
 
 Every system gets the same prompts (``prompt_tokens`` fixed random ids per prompt text; the
 runtime's ``prepare`` is replaced by that lookup, so no tokenizer work is timed), greedy
@@ -43,7 +45,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
 from functools import cache, partial
 from pathlib import Path
@@ -58,6 +61,7 @@ from mlx_trio.api.server import ServeOptions, serve
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from mlx_trio.engine.process import open_process_engine
 from mlx_trio.engine.prompt import Prompt
 from mlx_trio.engine.thread import EngineThread
 from mlx_trio.engine.threaded import ThreadedEngine
@@ -77,12 +81,23 @@ SYSTEMS = (
     "in-process, 1 step a call",
     "mlx-trio serial",
     "mlx-trio HTTP",
+    "in-process, engine process",
+    "HTTP, engine process",
 )
 SINGLE_ONLY = {"raw generate_step", "mlx-trio serial"}
 ONE_STEP = "in-process, 1 step a call"
+INPROCESS = ("mlx-trio in-process", ONE_STEP, "mlx-trio serial", "in-process, engine process")
+HTTP = ("mlx-trio HTTP", "HTTP, engine process")
+ENGINE_PROCESS = ("in-process, engine process", "HTTP, engine process")
+# The runtime's systems whose waves are paired with raw's.
+PAIRED = ("mlx-trio in-process", "mlx-trio HTTP", *ENGINE_PROCESS)
 # Short names for --systems, in the order of SYSTEMS.
 SYSTEM_KEYS = dict(
-    zip(("generate_step", "batch", "inprocess", "one-step", "serial", "http"), SYSTEMS, strict=True)
+    zip(
+        ("generate_step", "batch", "inprocess", "one-step", "serial", "http", "proc", "http-proc"),
+        SYSTEMS,
+        strict=True,
+    )
 )
 
 
@@ -185,6 +200,12 @@ def make_engine(model: Any, tokenizer: Any, *, dtype: str, quantized: bool) -> E
         device=device_name(),
     )
     return Engine(loaded)
+
+
+def build_engine(quick: bool, quantized: bool) -> Engine:
+    """The whole engine, built where it will run: in an engine process, this is its ``build``."""
+    model = make_model(quick, quantized)
+    return make_engine(model, make_tokenizer(), dtype="bfloat16", quantized=quantized)
 
 
 def prompt_text(index: int) -> str:
@@ -367,16 +388,21 @@ class Bench:
         port: TokenIdPort,
         engine: Engine,
         args: argparse.Namespace,
-        runtimes: tuple[Any, Any],
-        url: str,
+        runtimes: dict[str, Any],
+        urls: dict[str, str],
+        ports: dict[str, TokenIdPort],
+        engine_processes: Sequence[TokenIdPort] = (),
     ) -> None:
-        """``runtimes``: in-process runtimes with automatic and with one step a call."""
+        """``runtimes``, ``urls``, ``ports``: the in-process runtime, the HTTP server's URL and
+        the port of the runtime that each runtime system measures."""
         self.port = port
         self.engine = engine
         self.args = args
         self.max_batch = max_batch_of(args)
-        self.rt, self.rt_one_step = runtimes
-        self.http_url = url
+        self.runtimes = runtimes
+        self.urls = urls
+        self.ports = ports
+        self.engine_processes = engine_processes
         self.next_timer = next_timer()
 
     def texts(self, concurrency: int) -> list[str]:
@@ -388,6 +414,8 @@ class Bench:
         # The same starting state for every wave: GPU idle, MLX's buffer cache empty, no
         # garbage from the last wave waiting to be collected.
         await thread.run(settle)
+        for process in self.engine_processes:  # each starts the wave settled too
+            await process.run(settle)
         gc.collect()
         if system == "raw generate_step":
             ids = prompt_ids(texts[0], self.args.prompt_tokens)
@@ -404,17 +432,19 @@ class Bench:
             seconds = time.perf_counter() - start
             extra = {"steps": steps, "step_s": seconds / steps, **self.next_timer.take(seconds)}
             return Wave(tokens, seconds, extra=extra)
-        if system in ("mlx-trio in-process", ONE_STEP, "mlx-trio serial"):
-            self.port.take_step_times()
+        if system in INPROCESS:
+            port = self.ports[system]
+            port.take_step_times()
             self.next_timer.take()
-            rt = self.rt_one_step if system == ONE_STEP else self.rt
+            rt = self.runtimes[system]
             wave = await self._inprocess(rt, texts, reproducible=system == "mlx-trio serial")
             if system == "mlx-trio serial":
                 return wave
-            extra = {**self.port.take_step_times(), **self.next_timer.take(wave.seconds)}
+            # NextTimer sees only this process: nothing for an engine process.
+            extra = {**port.take_step_times(), **self.next_timer.take(wave.seconds)}
             return Wave(wave.tokens, wave.seconds, wave.errors, extra)
-        if system == "mlx-trio HTTP":
-            return await self._http(concurrency)
+        if system in HTTP:
+            return await self._http(concurrency, self.urls[system])
         raise ValueError(system)
 
     async def _timed(self, call: Any) -> Wave:
@@ -442,13 +472,13 @@ class Bench:
                 nursery.start_soon(one, text)
         return Wave(sum(counts), time.perf_counter() - start, errors)
 
-    async def _http(self, concurrency: int) -> Wave:
+    async def _http(self, concurrency: int, url: str) -> Wave:
         command = [
             sys.executable,
             "-m",
             "bench.http_load",
             "--url",
-            self.http_url,
+            url,
             "--clients",
             str(concurrency),
             "--max-tokens",
@@ -683,14 +713,38 @@ async def bench_model(
         shutdown = trio.Event()
         # Both in-process runtimes drive ports[0]; the waves run one at a time.
         one_step = replace(config, steps_per_call=1)
-        async with (
-            open_runtime(engine=ports[0], config=config) as rt,
-            open_runtime(engine=ports[0], config=one_step) as rt_one_step,
-            trio.open_nursery() as nursery,
-        ):
-            url = await nursery.start(partial(serve, options, engine=ports[1], shutdown=shutdown))
-            await wait_healthy(url)
-            bench = Bench(ports[0], engine, args, (rt, rt_one_step), url)
+        async with AsyncExitStack() as stack:
+            rt = await stack.enter_async_context(open_runtime(engine=ports[0], config=config))
+            runtimes = {
+                "mlx-trio in-process": rt,
+                ONE_STEP: await stack.enter_async_context(
+                    open_runtime(engine=ports[0], config=one_step)
+                ),
+                "mlx-trio serial": rt,
+            }
+            by_system = {s: ports[0] for s in runtimes}
+            serving = {"mlx-trio HTTP": ports[1]}
+            if any(s in args.systems for s in ENGINE_PROCESS):
+                # One engine process for each runtime, as for the threads: its own BatchEngine.
+                build = partial(build_engine, args.quick, quantized)
+                procs = []
+                for _ in range(2):
+                    opened = open_process_engine(build, None, max_batch=max_batch)
+                    inner = await stack.enter_async_context(opened)
+                    procs.append(TokenIdPort(inner, args.prompt_tokens))  # type: ignore[arg-type]
+                logger.info("%s: engine processes %s started", name, [p.pid for p in procs])
+                proc_rt = open_runtime(engine=procs[0], config=config)
+                runtimes["in-process, engine process"] = await stack.enter_async_context(proc_rt)
+                by_system["in-process, engine process"] = procs[0]
+                serving["HTTP, engine process"] = procs[1]
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            urls = {}
+            for system, port in serving.items():
+                serving_it = partial(serve, options, engine=port, shutdown=shutdown)
+                urls[system] = await nursery.start(serving_it)
+                await wait_healthy(urls[system])
+            processes = [p for s, p in {**by_system, **serving}.items() if s in ENGINE_PROCESS]
+            bench = Bench(ports[0], engine, args, runtimes, urls, by_system, processes)
             # An untimed pass first: the raw systems meet every shape (the runtime runs the
             # same shapes), all systems at low concurrency (their own code paths).
             for concurrency in args.concurrency:
@@ -874,14 +928,13 @@ def summarize(doc: dict) -> dict:
                 row["in-process / raw generate_step"] = ratio(row["mlx-trio in-process"], single)
                 row["serial / raw generate_step"] = ratio(row["mlx-trio serial"], single)
             base = "raw generate_step" if concurrency == 1 else "raw BatchGenerator"
-            runtimes = ("mlx-trio in-process", "mlx-trio HTTP")
-            row["paired"] = {s: paired_ratio(entry, s, base, concurrency) for s in runtimes}
-            row["paired_spread"] = {s: paired_spread(entry, s, base, concurrency) for s in runtimes}
+            row["paired"] = {s: paired_ratio(entry, s, base, concurrency) for s in PAIRED}
+            row["paired_spread"] = {s: paired_spread(entry, s, base, concurrency) for s in PAIRED}
             stepped = ("raw BatchGenerator", "mlx-trio in-process")
             row["next"] = {s: t for s in stepped if (t := next_times(entry, s, concurrency))}
             rows.append(row)
         limit = entry.get("bandwidth_limit_steps_s")
-        singles = [median_rate(entry, s, 1) for s in SYSTEMS if s != "mlx-trio HTTP"]
+        singles = [median_rate(entry, s, 1) for s in SYSTEMS if s not in HTTP]
         best = max((v for v in singles if v is not None), default=None)
         summary[name] = {
             "rows": rows,
@@ -986,12 +1039,12 @@ def plot(doc: dict, png: Path) -> None:
     for ax, model in zip(axes[1], summary.values(), strict=True):
         plot_paired(ax, model["rows"])
     for ax, (name, model) in zip(axes[0], summary.items(), strict=True):
-        for system, marker in zip(SYSTEMS, "osDx^v", strict=True):
+        for system, marker in zip(SYSTEMS, "osDx^v<>", strict=True):
             points = [(r["streams"], r[system]) for r in model["rows"] if r[system] is not None]
             if points:
                 xs, ys = zip(*points, strict=True)
                 style = "none" if system in SINGLE_ONLY else "-"
-                ax.plot(xs, ys, marker=marker, linestyle=style, label=system)
+                ax.plot(xs, ys, marker=marker, linestyle=style, label=system, color=color(system))
         single = any(r["streams"] == 1 for r in model["rows"])
         if single and model["bandwidth_limit_steps_s"] and doc["machine"]["device"] == "gpu":
             ax.plot(
@@ -1018,6 +1071,11 @@ def plot(doc: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def color(system: str) -> str:
+    """One color a system, in both panels."""
+    return f"C{SYSTEMS.index(system)}"
+
+
 def streams_axis(ax: Any, rows: list[dict]) -> None:
     """A log2 x axis ticked at the measured stream counts."""
     import matplotlib.ticker
@@ -1032,16 +1090,28 @@ def streams_axis(ax: Any, rows: list[dict]) -> None:
 def plot_paired(ax: Any, rows: list[dict]) -> None:
     """The runtime's paired ratios to raw by streams, with the 95% interval of each median
     where there are waves enough, against the goal."""
-    for offset, system in ((0.96, "mlx-trio in-process"), (1.04, "mlx-trio HTTP")):
-        points = [(r["streams"], r["paired"][system], r["paired_spread"][system]) for r in rows]
+    offsets = (0.94, 1.02, 0.98, 1.06)  # side by side, not on top of each other
+    for offset, system in zip(offsets, PAIRED, strict=True):
+        points = [
+            (r["streams"], r["paired"].get(system), r["paired_spread"].get(system)) for r in rows
+        ]
         points = [p for p in points if p[1] is not None]
         if not points:
             continue
-        xs = [x * offset for x, _, _ in points]  # side by side, not on top of each other
+        xs = [x * offset for x, _, _ in points]
         ys = [y for _, y, _ in points]
         low = [y - (sp["median_low"] if sp else y) for _, y, sp in points]
         high = [(sp["median_high"] if sp else y) - y for _, y, sp in points]
-        ax.errorbar(xs, ys, yerr=[low, high], marker="o", linestyle="none", capsize=3, label=system)
+        ax.errorbar(
+            xs,
+            ys,
+            yerr=[low, high],
+            marker="o",
+            linestyle="none",
+            capsize=3,
+            label=system,
+            color=color(system),
+        )
     ax.axhline(0.95, color="k", linestyle="--", linewidth=0.8, label="goal (0.95x)")
     ax.axhline(1.0, color="grey", linewidth=0.5)
     streams_axis(ax, rows)
