@@ -115,7 +115,7 @@ class ProcessEngine:
         self._buffer = bytearray()  # bytes received from the child, not yet a whole message
         self._send_lock = trio.Lock()
         self._state = _State()
-        self._failure: EngineProcessError | None = None
+        self._failure: str | None = None  # why the child is gone, once it is
         self._closed = False
         self._model_id = "?"
         self.warmup: WarmupReport | None = None
@@ -235,7 +235,7 @@ class ProcessEngine:
         self, request: tuple[str, tuple[Any, ...]] | None, reply: _Reply | None
     ) -> None:
         if self._failure is not None:
-            raise self._failure
+            raise EngineProcessError(self._failure)
         if self._closed and request is not None:
             raise EngineProcessError("the engine process is closed")
         frame = _frame(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
@@ -248,7 +248,7 @@ class ProcessEngine:
                     await self._stream.send_all(frame)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     self._fail(f"the engine process is gone ({type(exc).__name__})")
-                    raise self._failure from exc  # type: ignore[misc]
+                    raise EngineProcessError(self._failure) from exc
 
     async def _receive(self) -> Any | None:
         """The child's next message, or None once it closed the socket (by exiting)."""
@@ -285,17 +285,18 @@ class ProcessEngine:
                 self._fail(f"the engine process exited (exit code {code})")
 
     async def _exit_code(self) -> int | None:
-        with trio.move_on_after(1.0), trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(self._process.join, 1.0)
         return self._process.exitcode
 
     def _fail(self, message: str) -> None:
+        """From now on every call raises ``message``; the calls waiting raise it now."""
         if self._failure is None:
-            self._failure = EngineProcessError(message)
+            self._failure = message
             if not self._closed:
                 logger.error("%s", message)
         while self._pending:
-            self._pending.popleft().set(False, self._failure)
+            self._pending.popleft().set(False, EngineProcessError(self._failure))
 
     async def aclose(self) -> None:
         """Ask the child to end, wait for it (at most ``CLOSE_TIMEOUT_S``, then kill it)."""
