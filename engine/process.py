@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import trio
 
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
+from mlx_trio.engine.core import EngineCore
 from mlx_trio.engine.errors import MlxTrioError
 from mlx_trio.engine.generate import Engine, RequestPreparer
 from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent
@@ -386,7 +387,6 @@ def serve_engine(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s"
     )
-    from mlx_trio.engine.core import EngineCore
     from mlx_trio.engine.warmup import warm_up
 
     try:
@@ -399,11 +399,10 @@ def serve_engine(
         _reply(connection, False, exc, _State())
         return
     _reply(connection, True, _Started(engine.model_id, report), _state_of(core))
-    stepping_ahead = True
     try:
         while True:
             # While no request waits, step the batch ahead of its next call, a step at a time.
-            while stepping_ahead and not connection.poll(0):
+            while not connection.poll(0):
                 try:
                     if not core.step_ahead():
                         break
@@ -430,7 +429,7 @@ def serve_engine(
         mx.clear_streams()
 
 
-def _state_of(core: Any) -> _State:
+def _state_of(core: EngineCore) -> _State:
     return _State(
         core.kv_bytes, core.num_rows, core.batch_steps_run, core.prompt_cache_statistics()
     )

@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from mlx_trio.actors.messages import Cancelled, Completed, Failed, GenerationRequest, TextDelta
+from mlx_trio.actors.port import EnginePort
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.errors import UnsupportedModelError
 from mlx_trio.engine.outputs import RowOutput
@@ -28,7 +29,7 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens)
 
 
-async def calls_and_their_tokens(port: ThreadedEngine) -> tuple[list[object], dict[int, list]]:
+async def calls_and_their_tokens(port: EnginePort) -> tuple[list[object], dict[int, list]]:
     """The same batch calls on any port: what each returned, and each row's token ids."""
     tokens: dict[int, list[int]] = {}
     answers: list[object] = []
@@ -60,7 +61,7 @@ async def test_the_port_answers_each_batch_call_as_the_engine_thread_does(tiny_e
         answers, tokens = await calls_and_their_tokens(threaded)
     async with open_process_engine(build_engine, make_preparer(), max_batch=4) as port:
         assert port.pid != os.getpid() and port.model_id == "tiny-llama"
-        answers_there, tokens_there = await calls_and_their_tokens(port)  # type: ignore[arg-type]
+        answers_there, tokens_there = await calls_and_their_tokens(port)
     assert answers_there == answers
     # Rows 0 and 1 ran to max_tokens, the same tokens. Row 2 was removed on its way: how many
     # it got first depends on how many steps the engine had run ahead (they are dropped).
