@@ -394,7 +394,8 @@ class Bench:
         engine_processes: Sequence[TokenIdPort] = (),
     ) -> None:
         """``runtimes``, ``urls``, ``ports``: the in-process runtime, the HTTP server's URL and
-        the port of the runtime that each runtime system measures."""
+        the port of the runtime that each runtime system measures; ``engine_processes``: the
+        ports over engine processes, settled before each wave as this process is."""
         self.port = port
         self.engine = engine
         self.args = args
