@@ -200,7 +200,8 @@ async def open_runtime(
             yield RuntimeHandle(runtime)
         return
 
-    from mlx_trio.engine.process import ProcessEngine, runs_on_gpu
+    from mlx_trio.engine.loader import runs_on_gpu
+    from mlx_trio.engine.process import ProcessEngine
     from mlx_trio.engine.thread import EngineThread
     from mlx_trio.engine.threaded import ThreadedEngine
 

@@ -119,10 +119,9 @@ async def main_async(args: argparse.Namespace) -> None:
     async with AsyncExitStack() as stack:
         thread = stack.enter_context(EngineThread())
         engine = await thread.run(lambda: Engine.load(args.model))
-        ports: dict[str, EnginePort] = {
-            "mlx-trio in-process": ThreadedEngine(engine, thread, max_batch=args.sessions)
-        }
-        await ports["mlx-trio in-process"].batch_reset()  # type: ignore[attr-defined]
+        threaded = ThreadedEngine(engine, thread, max_batch=args.sessions)
+        await threaded.batch_reset()
+        ports: dict[str, EnginePort] = {"mlx-trio in-process": threaded}
         if args.engine_process:
             build = partial(Engine.load, args.model)
             opened = open_process_engine(build, engine.preparer, max_batch=args.sessions)

@@ -116,6 +116,14 @@ def load_tokenizer_only(spec: str | None, *, progress: Progress | None = None) -
     return LoadedTokenizer(tokenizer, resolved.model_id, _context_length(config, tokenizer))
 
 
+def runs_on_gpu(device: Device) -> bool:
+    """Whether a model loaded with ``device`` runs on a GPU (:func:`_select_device`'s rule),
+    asked without selecting or loading anything."""
+    if device == "cpu":
+        return False
+    return device == "gpu" or mx.default_device().type == mx.DeviceType.gpu
+
+
 def _select_device(device: Device) -> bool:
     """Apply ``device`` to MLX's default device; return whether it is the CPU."""
     if device == "cpu":

@@ -37,6 +37,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
+import outcome
 import trio
 
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
@@ -77,21 +78,17 @@ class _Started:  # the child's first message
 
 
 class _Reply:
-    __slots__ = ("done", "ok", "value")
+    """A call's reply, once it comes: its outcome, as ``EngineThread.run`` delivers one."""
+
+    __slots__ = ("done", "result")
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.ok = False
-        self.value: Any = None
+        self.result: outcome.Outcome | None = None
 
     def set(self, ok: bool, value: Any) -> None:
-        self.ok, self.value = ok, value
+        self.result = outcome.Value(value) if ok else outcome.Error(value)
         self.done.set()
-
-    def unwrap(self) -> Any:
-        if self.ok:
-            return self.value
-        raise self.value
 
 
 class ProcessEngine:
@@ -173,14 +170,15 @@ class ProcessEngine:
         return self._state.prompt_cache
 
     async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
-        if self._preparer is None:
-            raise RuntimeError("this engine process was started without a tokenizer")
-        return await trio.to_thread.run_sync(self._preparer.prepare, prompt, params)
+        return await trio.to_thread.run_sync(self._the_preparer().prepare, prompt, params)
 
     def token_text(self, token_id: int) -> str:
+        return self._the_preparer().token_text(token_id)
+
+    def _the_preparer(self) -> RequestPreparer:
         if self._preparer is None:
             raise RuntimeError("this engine process was started without a tokenizer")
-        return self._preparer.token_text(token_id)
+        return self._preparer
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return None
@@ -230,7 +228,8 @@ class ProcessEngine:
         reply = _Reply()
         await self._send((method, args), reply)
         await reply.done.wait()
-        return reply.unwrap()
+        assert reply.result is not None
+        return reply.result.unwrap()
 
     async def _send(
         self, request: tuple[str, tuple[Any, ...]] | None, reply: _Reply | None
@@ -313,16 +312,6 @@ class ProcessEngine:
                 self._process.kill()
                 await trio.to_thread.run_sync(self._process.join)
             await self._stream.aclose()
-
-
-def runs_on_gpu(device: str) -> bool:
-    """Whether a model loaded with ``device`` runs on a GPU (``load_model``'s rule), asked
-    without loading anything."""
-    import mlx.core as mx
-
-    if device == "cpu":
-        return False
-    return device == "gpu" or mx.default_device().type == mx.DeviceType.gpu
 
 
 @asynccontextmanager

@@ -98,7 +98,7 @@ class ThreadedEngine:
         return self.core.prompt_cache_statistics()
 
     def token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
+        return self.engine.preparer.token_text(token_id)
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return None
