@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import trio
@@ -46,8 +46,9 @@ class StepFault:
 
 @dataclass(frozen=True, slots=True)
 class RowFault:
-    """Request ``request`` fails alone: its sampler raises at token ``at_token``, or the engine
-    cannot add it (``kind="add_error"``, KV memory exhausted at admission)."""
+    """Request ``request`` fails alone: its sampler raises at its draw ``at_token`` (inside
+    the engine's own sampling path: ``PreparedRequest.fail_sampler_at``), or the engine cannot
+    add it (``kind="add_error"``, KV memory exhausted at admission)."""
 
     kind: Literal["sampler_error", "add_error"]
     request: int
@@ -76,10 +77,8 @@ class FaultyEngine:
         self._row_faults = {f.request: f for f in faults if isinstance(f, RowFault)}
         self._request_of: dict[tuple[int, ...], int] = {}
         self._rows: dict[int, int] = {}  # row id -> request number
-        self._generated: dict[int, int] = {}
         self._prefilling: set[int] = set()
         self._serial_request: int | None = None
-        self._serial_generated = 0
         self.num_batch_steps = 0
 
     def inject(self, fault: EngineFault) -> None:
@@ -127,11 +126,18 @@ class FaultyEngine:
 
     async def serial_start(self, request: PreparedRequest) -> None:
         self._serial_request = self._request_of.get(request.prompt_tokens)
-        self._serial_generated = 0
-        await self.inner.serial_start(request)
+        await self.inner.serial_start(self._with_sampler_fault(request))
 
     async def serial_step(self) -> list[RowEvent]:
-        return await self._row_faults_in(await self.inner.serial_step(), serial=True)
+        try:
+            events = await self.inner.serial_step()
+        except Exception:
+            self._sampler_failed(self._serial_request)
+            raise
+        for event in events:
+            if isinstance(event, RowFailed):
+                self._sampler_failed(self._serial_request)
+        return events
 
     async def serial_stop(self) -> None:
         await self.inner.serial_stop()
@@ -146,14 +152,17 @@ class FaultyEngine:
             if fault is not None and fault.kind == "add_error":
                 self._record("add_error", None, [number])
                 refused[i] = MemoryError("injected: no KV memory left to admit this request")
-        passed = [r for i, r in enumerate(requests) if i not in refused]
+        passed = [
+            self._with_sampler_fault(r, numbers[i])
+            for i, r in enumerate(requests)
+            if i not in refused
+        ]
         added = iter(await self.inner.batch_add(passed) if passed else [])
         results: list[int | Exception] = []
         for i, number in enumerate(numbers):
             row = refused[i] if i in refused else next(added)
             if isinstance(row, int) and number is not None:
                 self._rows[row] = number
-                self._generated[row] = 0
                 self._prefilling.add(row)
             results.append(row)
         return results
@@ -178,10 +187,12 @@ class FaultyEngine:
                 case "step_error" | "prefill_error":
                     raise InjectedStepError(f"injected {fault.kind} at batch step {step}")
             break
-        events = await self._row_faults_in(await self.inner.batch_step(steps), serial=False)
+        events = await self.inner.batch_step(steps)
         for event in events:
             if isinstance(event, RowOutput):
                 self._prefilling.discard(event.row)
+            if isinstance(event, RowFailed):
+                self._sampler_failed(self._rows.get(event.row))
             if isinstance(event, RowFailed) or (isinstance(event, RowOutput) and event.stats):
                 self._forget(event.row)
         return events
@@ -191,32 +202,24 @@ class FaultyEngine:
             return any(self._rows.get(row) == fault.request for row in self._prefilling)
         return step >= fault.at_step
 
-    async def _row_faults_in(self, events: list[RowEvent], *, serial: bool) -> list[RowEvent]:
-        """Turn a row's output into a failure when its sampler fault is due."""
-        out: list[RowEvent] = []
-        for event in events:
-            number = self._serial_request if serial else self._rows.get(event.row)
-            fault = self._row_faults.get(number) if number is not None else None
-            if isinstance(event, RowOutput) and fault is not None and fault.kind == "sampler_error":
-                tokens = max(1, len(event.delta.token_ids))
-                if serial:
-                    self._serial_generated += tokens
-                    generated = self._serial_generated
-                else:
-                    generated = self._generated.get(event.row, 0) + tokens
-                    self._generated[event.row] = generated
-                if generated > fault.at_token and event.stats is None:
-                    self._record("sampler_error", None, [number])
-                    del self._row_faults[number]
-                    if serial:
-                        await self.inner.serial_stop()
-                    else:
-                        await self.inner.batch_remove([event.row])
-                    message = f"injected sampler failure at token {fault.at_token}"
-                    out.append(RowFailed(event.row, message))
-                    continue
-            out.append(event)
-        return out
+    def _with_sampler_fault(
+        self, request: PreparedRequest, number: int | None = None
+    ) -> PreparedRequest:
+        """The request with its planned sampler fault, if any: the engine's sampler then fails
+        inside MLX at that draw (the batch's other rows must not notice)."""
+        if number is None:
+            number = self._request_of.get(request.prompt_tokens)
+        fault = self._row_faults.get(number) if number is not None else None
+        if fault is None or fault.kind != "sampler_error":
+            return request
+        return replace(request, fail_sampler_at=fault.at_token)
+
+    def _sampler_failed(self, number: int | None) -> None:
+        """Record a planned sampler fault as injected once its row failed."""
+        fault = self._row_faults.get(number) if number is not None else None
+        if fault is not None and fault.kind == "sampler_error":
+            del self._row_faults[number]
+            self._record("sampler_error", None, [number])
 
     async def batch_remove(self, rows: list[int]) -> None:
         await self.inner.batch_remove(rows)
@@ -226,7 +229,6 @@ class FaultyEngine:
     def _forget(self, row: int) -> None:
         self._rows.pop(row, None)
         self._prefilling.discard(row)
-        self._generated.pop(row, None)
 
     async def batch_park(self, row: int) -> bool:
         return await self.inner.batch_park(row)
@@ -238,4 +240,3 @@ class FaultyEngine:
         await self.inner.batch_reset()
         self._rows.clear()
         self._prefilling.clear()
-        self._generated.clear()

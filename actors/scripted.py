@@ -287,6 +287,8 @@ class ScriptedEngine:
     # -- generation -------------------------------------------------------------------------
 
     def _fault_at(self, request: PreparedRequest) -> int | None:
+        if request.fail_sampler_at is not None:  # injected through the request, as on MLX
+            return request.fail_sampler_at
         text = "".join(chr(t) for t in request.prompt_tokens)
         return self.script.row_faults.get(text)
 

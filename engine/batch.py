@@ -42,7 +42,14 @@ from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowEvent, RowFailed, RowOutput, RowProgress
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.row import RowDecoder
-from mlx_trio.engine.sampling import LogitsProcessor, Sampler, make_row_processors, make_row_sampler
+from mlx_trio.engine.sampling import (
+    LogitsProcessor,
+    Sampler,
+    make_row_processors,
+    make_row_sampler,
+    repair_random_state,
+    with_injected_fault,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +172,7 @@ class BatchEngine:
         )
         row_id = self._next_row
         self._next_row += 1
-        sampler = self._sampler_factory(params)
+        sampler = with_injected_fault(self._sampler_factory(params), request)
         row = _Row(
             id=row_id,
             decoder=decoder,
@@ -212,13 +219,16 @@ class BatchEngine:
 
     def _guard(self, row_id: int, sampler: Sampler) -> Sampler:
         """A sampler whose failure fails only its own row: it records the error, returns a
-        placeholder token, and :meth:`step` then drops the row with a :class:`RowFailed`."""
+        placeholder token, and :meth:`step` then drops the row with a :class:`RowFailed`.
+        Whatever shared state the failure broke (MLX's global random state) is repaired
+        before the step's graph is evaluated, so the other rows' step goes on."""
 
         def guarded(logprobs: mx.array) -> mx.array:
             try:
                 return sampler(logprobs)
             except Exception as exc:
                 self._sampler_faults[row_id] = f"sampler failed: {type(exc).__name__}: {exc}"
+                repair_random_state()
                 return mx.argmax(logprobs, axis=-1)
 
         return guarded

@@ -14,6 +14,7 @@ from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK, BatchEngine
 from mlx_trio.engine.generate import Engine, Generation
 from mlx_trio.engine.outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
 from mlx_trio.engine.params import PreparedRequest
+from mlx_trio.engine.sampling import repair_random_state
 
 SERIAL_ROW = 0
 
@@ -78,7 +79,9 @@ class EngineCore:
     # -- batch ------------------------------------------------------------------------------
 
     def batch_reset(self) -> None:
-        """Drop every row and start a fresh batch."""
+        """Drop every row and start a fresh batch, with whatever shared state a failed step
+        may have broken (MLX's global random state) repaired."""
+        repair_random_state()
         if self._batch is not None:
             self._batch.close()
         self._batch = BatchEngine(

@@ -22,7 +22,12 @@ from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt, check_fits, encode_prompt
 from mlx_trio.engine.prompt_cache import PromptCache, default_budget_bytes
 from mlx_trio.engine.row import RowDecoder
-from mlx_trio.engine.sampling import make_row_processors, make_row_sampler
+from mlx_trio.engine.sampling import (
+    make_row_processors,
+    make_row_sampler,
+    repair_random_state,
+    with_injected_fault,
+)
 from mlx_trio.engine.text import byte_level_table
 
 ProgressCallback = Callable[[int, int], None]
@@ -59,7 +64,7 @@ class Generation:
             mx.array(prompt[skip:]),
             self._engine.model,
             max_tokens=params.max_tokens,
-            sampler=make_row_sampler(params) or greedy_sampler,
+            sampler=with_injected_fault(make_row_sampler(params), self._request) or greedy_sampler,
             logits_processors=make_row_processors(params),
             prompt_cache=kv,
             prefill_step_size=self._engine.prefill_step_size,
@@ -73,6 +78,9 @@ class Generation:
                 yield delta
                 if delta.finish_reason is not None:
                     return
+        except Exception:
+            repair_random_state()  # what a failed sampler may have broken fails no later run
+            raise
         finally:
             steps.close()
             if prompt_cache is not None:
@@ -94,18 +102,33 @@ class RequestPreparer:
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Tokenize and check a request; raises :class:`InvalidRequestError` subclasses."""
-        for token in params.logit_bias:
-            if token >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias token id {token} is outside the vocabulary "
-                    f"(size {self.vocab_size})",
-                    param="logit_bias",
-                )
+        self.check_params(params)
         tokens = encode_prompt(self.tokenizer, prompt)
         if not tokens:
             raise InvalidRequestError("prompt encodes to no tokens", param="prompt")
         check_fits(len(tokens), params.max_tokens, self.context_length)
         return PreparedRequest(prompt_tokens=tuple(tokens), params=params)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The bounds that depend on the model: token ids inside the vocabulary, ``top_k``
+        below its size (0 turns top-k off)."""
+        size = self.vocab_size
+        if params.top_k >= size:
+            raise InvalidRequestError(
+                f"top_k must be below the vocabulary size ({size}), or 0 to turn it off; "
+                f"got {params.top_k}",
+                param="top_k",
+            )
+        for param, tokens in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            for token in tokens:
+                if token >= size:
+                    raise InvalidRequestError(
+                        f"{param} token id {token} is outside the vocabulary (size {size})",
+                        param=param,
+                    )
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -19,13 +19,17 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_SEED = 2**63 - 1
+# Temperatures below this decode greedily, as vLLM's do: dividing log-probabilities by a
+# smaller one overflows float32 and the draw picks from NaNs.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` means greedy decoding; the other sampling knobs are then ignored.
+    ``temperature == 0`` (or below ``MIN_SAMPLING_TEMPERATURE``) means greedy decoding; the
+    other sampling knobs are then ignored.
     ``top_p == 1``, ``top_k == 0`` and ``min_p == 0`` switch their filters off. Penalties of 0
     (or a repetition penalty of 1) are off. ``seed`` makes sampling reproducible per request,
     independent of other requests in the same batch.
@@ -78,7 +82,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def _check_stop(self) -> None:
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
@@ -105,10 +109,16 @@ def _unpickle_params(values: dict[str, Any]) -> SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
-    """A request checked against the model: token ids that fit, parameters the model accepts."""
+    """A request checked against the model: token ids that fit, parameters the model accepts.
+
+    ``fail_sampler_at`` is fault injection (the chaos harness's ``sampler_error``): the row's
+    sampler fails inside MLX at its draw of that index (from 0; a batch row may have emitted
+    one token fewer by then, as the batch draws a step ahead). Clients never set it.
+    """
 
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
+    fail_sampler_at: int | None = None
 
 
 def _check_int(param: str, value: object, *, low: int, high: int | None = None) -> None:

@@ -1,24 +1,32 @@
-"""Per-request samplers and logits processors, built from mlx-lm's parts.
+"""Per-request samplers and logits processors.
 
-Greedy rows get ``None`` (the batch's shared argmax, one call for all greedy rows). A seeded
-row gets a :class:`SeededSampler` that owns its own PRNG key, so its draws do not depend on
-which other rows share the batch. Unseeded sampling uses mlx-lm's ``make_sampler``.
+Greedy rows get ``None`` (the batch's shared argmax, one call for all greedy rows). Every other
+row gets a :class:`RowSampler` that owns its PRNG key (from the request's ``seed``, or a fresh
+random one): no row reads or writes MLX's global random state, so one row's draws do not depend
+on which rows share its batch, and a sampler that fails cannot break the draws of the rest.
+
+The filters are written here rather than taken from ``mlx_lm.sample_utils``: mlx-lm compiles
+its filters with MLX's global random state as an input and output, and a filter that raises
+while being traced (``apply_top_k`` with ``top_k`` >= the vocabulary, say) leaves that state a
+placeholder that every later unseeded draw fails on ("Attempting to eval an array without a
+primitive"); its compiled functions also keep one trace per distinct ``top_p`` or ``top_k``
+value, which clients choose. The filters below are plain MLX ops and safe for any value in
+``SamplingParams``' ranges. Penalties and logit bias are mlx-lm's processors.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import secrets
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    make_logits_processors,
-    make_sampler,
-)
+from mlx_lm.sample_utils import apply_top_k, greedy_sampler, make_logits_processors
 
-from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -27,36 +35,99 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 PENALTY_CONTEXT_SIZE = 1024
 
 
-class SeededSampler:
-    """Top-p / min-p / top-k filtering, then a categorical draw from a per-request key."""
+def keep_top_k(logprobs: mx.array, k: int) -> mx.array:
+    """Mask all but the ``k`` most likely tokens; a ``k`` past the vocabulary keeps all."""
+    vocab = logprobs.shape[-1]
+    if k >= vocab:
+        return logprobs
+    dropped = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., k:]
+    return mx.put_along_axis(logprobs, dropped, mx.array(-math.inf, logprobs.dtype), axis=-1)
+
+
+def keep_top_p(logprobs: mx.array, p: float) -> mx.array:
+    """Keep the smallest set of most likely tokens whose probability reaches ``p``."""
+    ascending = mx.sort(logprobs, axis=-1)
+    probs = mx.exp(ascending.astype(mx.float32))
+    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + probs[..., :1]
+    num_dropped = (mass_above >= p * total).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(ascending, num_dropped, axis=-1)
+    return mx.where(logprobs < threshold, -math.inf, logprobs)
+
+
+def keep_min_p(logprobs: mx.array, min_p: float) -> mx.array:
+    """Keep the tokens at least ``min_p`` times as likely as the most likely one."""
+    floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(min_p)
+    return mx.where(logprobs < floor, -math.inf, logprobs)
+
+
+def random_seed() -> int:
+    """A fresh seed for a row that asked for none."""
+    return secrets.randbits(63)
+
+
+class RowSampler:
+    """Top-p, min-p and top-k filtering, then a categorical draw from the row's own key."""
 
     def __init__(self, params: SamplingParams) -> None:
-        assert params.seed is not None and not params.is_greedy
-        self._key = mx.random.key(params.seed)
+        assert not params.is_greedy
+        self._key = mx.random.key(params.seed if params.seed is not None else random_seed())
         self._inv_temperature = 1.0 / params.temperature
         self._params = params
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         p = self._params
         if 0.0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
+            logprobs = keep_top_p(logprobs, p.top_p)
         if p.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, p.min_p)
+            logprobs = keep_min_p(logprobs, p.min_p)
         if p.top_k > 0:
-            logprobs = apply_top_k(logprobs, p.top_k)
+            logprobs = keep_top_k(logprobs, p.top_k)
         self._key, key = mx.random.split(self._key)
         return mx.random.categorical(logprobs * self._inv_temperature, key=key)
 
 
+class FailingSampler:
+    """Fault injection (the chaos harness's ``sampler_error``): samples as ``inner`` until its
+    ``fail_at``-th call (from 0), which fails inside MLX's sampling path the way a bad request
+    once did: mlx-lm's compiled ``apply_top_k`` raising mid-trace with ``top_k`` equal to the
+    vocabulary, which also leaves MLX's global random state broken."""
+
+    def __init__(self, inner: Sampler | None, fail_at: int) -> None:
+        self._inner = inner or greedy_sampler
+        self._calls = 0
+        self._fail_at = fail_at
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self._calls += 1
+        if self._calls > self._fail_at:
+            return apply_top_k(logprobs, logprobs.shape[-1])
+        return self._inner(logprobs)
+
+
 def make_row_sampler(params: SamplingParams) -> Sampler | None:
     """The sampler for one request; None means greedy."""
-    if params.is_greedy:
-        return None
-    if params.seed is not None:
-        return SeededSampler(params)
-    return make_sampler(
-        temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
-    )
+    return None if params.is_greedy else RowSampler(params)
+
+
+def with_injected_fault(sampler: Sampler | None, request: PreparedRequest) -> Sampler | None:
+    """``sampler``, or a :class:`FailingSampler` around it where the request carries an
+    injected sampler fault."""
+    if request.fail_sampler_at is None:
+        return sampler
+    return FailingSampler(sampler, request.fail_sampler_at)
+
+
+def repair_random_state() -> bool:
+    """Re-seed MLX's global random state if a failed compiled function left it unusable;
+    returns whether it had to. Nothing of ours draws from it, but mlx-lm or a model may."""
+    try:
+        mx.eval(mx.random.state)
+    except Exception:  # "Attempting to eval an array without a primitive"
+        mx.random.seed(secrets.randbits(32))
+        logger.warning("MLX's global random state was broken by a failed sampler; re-seeded it")
+        return True
+    return False
 
 
 def make_row_processors(params: SamplingParams) -> list[LogitsProcessor]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+import mlx.core as mx
 import pytest
 
 from mlx_trio.engine.batch import BatchEngine
@@ -12,6 +14,8 @@ from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowFailed, RowOutput, RowProgress
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.sampling import make_row_sampler
+
+TINY_VOCAB = 263  # tests/tiny.py: 256 bytes, 4 merges, 3 special tokens
 
 PROMPTS = [
     "the cat sat on the mat",
@@ -105,6 +109,109 @@ def test_bad_prompts_are_refused_with_param(tiny_engine):
     with pytest.raises(InvalidRequestError, match=r"outside the vocabulary") as info:
         tiny_engine.prepare("hi", SamplingParams(logit_bias={10**6: 1.0}))
     assert info.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize(
+    ("params", "param", "message"),
+    [
+        (
+            SamplingParams(temperature=1.0, top_k=TINY_VOCAB),
+            "top_k",
+            rf"^top_k must be below the vocabulary size \({TINY_VOCAB}\), or 0 to turn it off; "
+            rf"got {TINY_VOCAB}$",
+        ),
+        (
+            SamplingParams(temperature=0.0, top_k=10**9),
+            "top_k",
+            r"^top_k must be below the vocabulary size",
+        ),
+        (
+            SamplingParams(stop_token_ids=(TINY_VOCAB,)),
+            "stop_token_ids",
+            rf"^stop_token_ids token id {TINY_VOCAB} is outside the vocabulary",
+        ),
+    ],
+)
+def test_sampling_bounds_past_the_model_are_refused(tiny_engine, params, param, message):
+    assert tiny_engine.vocab_size == TINY_VOCAB
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        tiny_engine.prepare("hi", params)
+    assert info.value.param == param
+    tiny_engine.prepare("hi", replace(params, top_k=TINY_VOCAB - 1, stop_token_ids=()))
+
+
+def finish_reasons(batch: BatchEngine) -> dict[int, str]:
+    """Run a batch until it is empty: how each row ended (a finish reason, or "failed")."""
+    ended: dict[int, str] = {}
+    while batch.num_rows:
+        for event in batch.step():
+            if isinstance(event, RowFailed):
+                ended[event.row] = "failed"
+            elif isinstance(event, RowOutput) and event.stats is not None:
+                ended[event.row] = event.delta.finish_reason or "?"
+    return ended
+
+
+def test_a_sampler_failing_inside_mlx_fails_only_its_row_and_breaks_no_later_draw(tiny_engine):
+    """The red team's request: mlx-lm's compiled top-k raising mid-trace broke MLX's global
+    random state, and every later unseeded draw failed, in a batch the whole step."""
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, max_tokens=8)
+    expected = solo_tokens(tiny_engine, PROMPTS[0], greedy)
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    doomed = batch.add(replace(tiny_engine.prepare(PROMPTS[1], sampled), fail_sampler_at=2))
+    plain = batch.add(tiny_engine.prepare(PROMPTS[0], greedy))
+    drawn = [batch.add(tiny_engine.prepare(p, sampled)) for p in PROMPTS[2:4]]
+    failures: list[RowFailed] = []
+    got: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    while batch.num_rows:
+        for event in batch.step():
+            if isinstance(event, RowFailed):
+                failures.append(event)
+            elif isinstance(event, RowOutput):
+                got.setdefault(event.row, []).extend(event.delta.token_ids)
+                if event.stats is not None:
+                    finished.add(event.row)
+    assert [f.row for f in failures] == [doomed]
+    assert "sampler failed: ValueError: `top_k` has to be an integer" in failures[0].message
+    assert len(got.get(doomed, [])) <= 2  # at most the tokens of its draws before the failing one
+    assert got[plain] == expected
+    assert finished == {plain, *drawn}
+    # Later unseeded draws, in a batch and alone, and MLX's own global draws, all work.
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    later = [batch.add(tiny_engine.prepare(p, sampled)) for p in PROMPTS[:3]]
+    ended = finish_reasons(batch)
+    assert set(ended) == set(later)
+    assert set(ended.values()) <= {"stop", "length"}
+    assert list(tiny_engine.generate(tiny_engine.prepare(PROMPTS[2], sampled)))[-1].finish_reason
+    mx.eval(mx.random.uniform())
+
+
+def test_a_sampler_failing_on_the_serial_path_breaks_no_later_draw(tiny_engine):
+    sampled = SamplingParams(temperature=0.8, max_tokens=6)
+    doomed = replace(tiny_engine.prepare(PROMPTS[0], sampled), fail_sampler_at=0)
+    with pytest.raises(ValueError, match=r"`top_k` has to be an integer"):
+        list(tiny_engine.generate(doomed))
+    assert list(tiny_engine.generate(tiny_engine.prepare(PROMPTS[0], sampled)))[-1].finish_reason
+    mx.eval(mx.random.uniform())
+
+
+def test_unseeded_rows_draw_differently_and_seeded_ones_alike(tiny_engine):
+    sampled = SamplingParams(temperature=1.0, max_tokens=16)
+    runs = {tuple(solo_tokens(tiny_engine, PROMPTS[0], sampled)) for _ in range(4)}
+    assert len(runs) > 1
+    seeded = replace(sampled, seed=5)
+    assert solo_tokens(tiny_engine, PROMPTS[0], seeded) == solo_tokens(
+        tiny_engine, PROMPTS[0], seeded
+    )
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_engine):
+    greedy = solo_tokens(tiny_engine, PROMPTS[1], SamplingParams(temperature=0, max_tokens=10))
+    tiny = SamplingParams(temperature=1e-30, top_k=5, max_tokens=10)
+    assert tiny.is_greedy
+    assert solo_tokens(tiny_engine, PROMPTS[1], tiny) == greedy
 
 
 def test_logit_bias_forces_a_token(tiny_engine):
