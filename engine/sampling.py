@@ -9,9 +9,9 @@ The filters are written here rather than taken from ``mlx_lm.sample_utils``: mlx
 its filters with MLX's global random state as an input and output, and a filter that raises
 while being traced (``apply_top_k`` with ``top_k`` >= the vocabulary, say) leaves that state a
 placeholder that every later unseeded draw fails on ("Attempting to eval an array without a
-primitive"); its compiled functions also keep one trace per distinct ``top_p`` or ``top_k``
-value, which clients choose. The filters below are plain MLX ops and safe for any value in
-``SamplingParams``' ranges. Penalties and logit bias are mlx-lm's processors.
+primitive"); its compiled functions also take ``top_p``, ``min_p`` and the temperature as
+constants, one trace kept per value a client chooses. Ours capture no state and take those as
+arrays. Penalties and logit bias are mlx-lm's processors.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ PENALTY_CONTEXT_SIZE = 1024
 
 
 def keep_top_k(logprobs: mx.array, k: int) -> mx.array:
-    """Mask all but the ``k`` most likely tokens; a ``k`` past the vocabulary keeps all."""
+    """Mask all but the ``k`` most likely tokens; a ``k`` past the vocabulary keeps all.
+    (Not compiled: ``argpartition`` takes ``k`` as a constant, one trace per value.)"""
     vocab = logprobs.shape[-1]
     if k >= vocab:
         return logprobs
@@ -44,7 +45,12 @@ def keep_top_k(logprobs: mx.array, k: int) -> mx.array:
     return mx.put_along_axis(logprobs, dropped, mx.array(-math.inf, logprobs.dtype), axis=-1)
 
 
-def keep_top_p(logprobs: mx.array, p: float) -> mx.array:
+# The compiled pieces take every parameter as an array, so one trace serves every value, and
+# capture no state: one that raises while being traced leaves nothing broken behind.
+
+
+@mx.compile
+def keep_top_p(logprobs: mx.array, p: mx.array) -> mx.array:
     """Keep the smallest set of most likely tokens whose probability reaches ``p``."""
     ascending = mx.sort(logprobs, axis=-1)
     probs = mx.exp(ascending.astype(mx.float32))
@@ -55,10 +61,18 @@ def keep_top_p(logprobs: mx.array, p: float) -> mx.array:
     return mx.where(logprobs < threshold, -math.inf, logprobs)
 
 
-def keep_min_p(logprobs: mx.array, min_p: float) -> mx.array:
-    """Keep the tokens at least ``min_p`` times as likely as the most likely one."""
-    floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(min_p)
+@mx.compile
+def keep_min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
+    """Keep the tokens at least ``exp(log_min_p)`` times as likely as the most likely one."""
+    floor = mx.max(logprobs, axis=-1, keepdims=True) + log_min_p
     return mx.where(logprobs < floor, -math.inf, logprobs)
+
+
+@mx.compile
+def draw(logprobs: mx.array, key: mx.array, inv_temperature: mx.array) -> tuple[mx.array, mx.array]:
+    """A categorical draw at a temperature from ``key``; returns the token and the next key."""
+    key, subkey = mx.random.split(key)
+    return mx.random.categorical(logprobs * inv_temperature, key=subkey), key
 
 
 def random_seed() -> int:
@@ -72,19 +86,20 @@ class RowSampler:
     def __init__(self, params: SamplingParams) -> None:
         assert not params.is_greedy
         self._key = mx.random.key(params.seed if params.seed is not None else random_seed())
-        self._inv_temperature = 1.0 / params.temperature
-        self._params = params
+        self._inv_temperature = mx.array(1.0 / params.temperature)
+        self._top_p = mx.array(params.top_p) if 0.0 < params.top_p < 1.0 else None
+        self._log_min_p = mx.array(math.log(params.min_p)) if params.min_p > 0.0 else None
+        self._top_k = params.top_k
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        p = self._params
-        if 0.0 < p.top_p < 1.0:
-            logprobs = keep_top_p(logprobs, p.top_p)
-        if p.min_p > 0.0:
-            logprobs = keep_min_p(logprobs, p.min_p)
-        if p.top_k > 0:
-            logprobs = keep_top_k(logprobs, p.top_k)
-        self._key, key = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * self._inv_temperature, key=key)
+        if self._top_p is not None:
+            logprobs = keep_top_p(logprobs, self._top_p)
+        if self._log_min_p is not None:
+            logprobs = keep_min_p(logprobs, self._log_min_p)
+        if self._top_k > 0:
+            logprobs = keep_top_k(logprobs, self._top_k)
+        token, self._key = draw(logprobs, self._key, self._inv_temperature)
+        return token
 
 
 class FailingSampler:
