@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import trio
 
 from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.api.server import ServeOptions
@@ -74,3 +75,46 @@ def test_a_repeated_prompt_reports_cached_tokens(server):
     stats = httpx.get(f"{server.url}/v1/stats").json()["prompt_cache"]
     assert stats["hits"] >= 1
     assert "mlx_trio_prompt_cache_hits" in httpx.get(f"{server.url}/metrics").text
+
+
+async def test_top_k_past_the_vocabulary_is_refused_and_sampling_goes_on(server):
+    """The red team's request (top_k = the vocabulary size, sampled) once broke sampling for
+    every later request; now it is a 400, and sampled requests beside greedy ones still work."""
+    async with openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0
+    ) as sdk:
+        model = model_id(server)
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.chat.completions.create(
+                model=model,
+                messages=QUESTION,
+                temperature=1.0,
+                max_tokens=8,
+                extra_body={"top_k": 49152},
+            )
+        assert info.value.body["param"] == "top_k"
+        assert "vocabulary size (49152)" in info.value.body["message"]
+
+        async def ask(temperature: float, top_k: int) -> openai.types.chat.ChatCompletion:
+            return await sdk.chat.completions.create(
+                model=model,
+                messages=QUESTION,
+                temperature=temperature,
+                max_tokens=16,
+                extra_body={"top_k": top_k},
+            )
+
+        greedy = await ask(0.0, 0)
+        replies: dict[str, openai.types.chat.ChatCompletion] = {}
+
+        async def keep(label: str, temperature: float, top_k: int) -> None:
+            replies[label] = await ask(temperature, top_k)
+
+        async with trio.open_nursery() as nursery:  # in one batch: two sampled, one greedy
+            for label, temperature, top_k in (("wide", 1.0, 49151), ("narrow", 0.7, 40)):
+                nursery.start_soon(keep, label, temperature, top_k)
+            nursery.start_soon(keep, "greedy", 0.0, 0)
+        assert all(r.choices[0].finish_reason in ("stop", "length") for r in replies.values())
+        assert replies["greedy"].choices[0].message.content == greedy.choices[0].message.content
+        alone = await ask(1.0, 49151)
+        assert alone.choices[0].finish_reason in ("stop", "length")
