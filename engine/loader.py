@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_config, load_tokenizer
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+from mlx_trio.engine._blas import gfortran_source, openblas_path
 from mlx_trio.engine.errors import InvalidRequestError, UnsupportedModelError
 from mlx_trio.engine.gguf import Progress
 from mlx_trio.engine.model_store import resolve_model
@@ -91,7 +93,37 @@ def load_model(
         ", quantized" if loaded.is_quantized else "",
         loaded.context_length,
     )
+    logger.info("backend: %s", backend_description(loaded.device))
     return loaded
+
+
+def backend_description(device: str) -> str:
+    """What MLX computes on, for the log: ``cuda (NVIDIA H200)``, ``metal (Apple M2)`` or
+    ``cpu (<name>, OpenBLAS <path>)``; ``device`` is a LoadedModel's (``"cpu"`` or ``"gpu"``)."""
+    if device == "gpu":
+        return f"{_gpu_backend()} ({_device_name(mx.gpu)})"
+    return f"cpu ({_device_name(mx.cpu)}, {_cpu_blas()})"
+
+
+def _gpu_backend() -> str:
+    if mx.cuda.is_available():
+        return "cuda"
+    return "metal" if mx.metal.is_available() else "gpu"
+
+
+def _device_name(device: mx.Device) -> str:
+    try:
+        return str(mx.device_info(device).get("device_name", "?"))
+    except (RuntimeError, ValueError):  # a backend that does not describe its devices
+        return "?"
+
+
+def _cpu_blas() -> str:
+    path = openblas_path()
+    if path is not None:
+        runtime = gfortran_source()
+        return f"OpenBLAS {path}" + (f", libgfortran from {runtime}" if runtime else "")
+    return "Accelerate" if sys.platform == "darwin" else "reference BLAS"
 
 
 @dataclass(frozen=True, slots=True)

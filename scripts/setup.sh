@@ -1,24 +1,62 @@
 #!/usr/bin/env bash
-# Set up mlx-trio in ./.venv: the system runtime OpenBLAS needs, then the package.
-#   scripts/setup.sh          the runtime
-#   scripts/setup.sh --test   the runtime and the test tools
+# Set up mlx-trio in ./.venv, with the MLX backend this machine can run.
+#   scripts/setup.sh            the runtime
+#   scripts/setup.sh --test     the runtime and the test tools
+#   scripts/setup.sh --dry-run  print the commands instead of running them (combines with --test)
+# The backend is CUDA where `nvidia-smi -L` lists a GPU, else the CPU; MLX_TRIO_BACKEND=cpu|cuda
+# decides instead. Nothing needs root: OpenBLAS's Fortran runtime comes from the wheels
+# (design/001-openblas.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# cmeel-openblas's libopenblas.so.0 links libgfortran.so.5 (design/001-openblas.md).
-if [[ "$(uname -s)-$(uname -m)" == "Linux-x86_64" ]] && ! ldconfig -p | grep -q 'libgfortran\.so\.5 '; then
-    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-        echo "setup: installing libgfortran5 (needed by OpenBLAS)" >&2
-        apt-get install -y -q libgfortran5 >/dev/null 2>&1 \
-            || { apt-get update -q >/dev/null && apt-get install -y -q libgfortran5 >/dev/null; }
-    else
-        echo "setup: libgfortran5 is missing; install it (e.g. 'sudo apt-get install libgfortran5')" \
-            "or MLX's CPU matmuls run ~40x slower" >&2
-    fi
+extras=() dry_run=""
+for arg in "$@"; do
+    case "$arg" in
+        --test) extras+=(test) ;;
+        --dry-run) dry_run=1 ;;
+        *) echo "setup: unknown argument $arg (--test, --dry-run)" >&2; exit 2 ;;
+    esac
+done
+
+if [[ "$(uname -s)" != Linux ]]; then
+    MLX_TRIO_BACKEND=native  # macOS: the mlx wheel carries Metal and the CPU itself
+elif [[ -z "${MLX_TRIO_BACKEND:-}" ]]; then
+    MLX_TRIO_BACKEND=cpu
+    if nvidia-smi -L >/dev/null 2>&1; then MLX_TRIO_BACKEND=cuda; fi
 fi
+# MLX's Linux backends are separate wheels that both ship mlx/lib/libmlx.so: the one installed
+# last wins, and uninstalling the other one deletes it. So the unwanted one goes, and the wanted
+# one is unpacked again.
+case "$MLX_TRIO_BACKEND" in
+    native) wheel="" other="" ;;
+    cpu) wheel=mlx-cpu other=mlx-cuda-13 ;;
+    cuda) wheel=mlx-cuda-13 other=mlx-cpu extras+=(cuda) ;;
+    *) echo "setup: MLX_TRIO_BACKEND must be cpu or cuda, not '$MLX_TRIO_BACKEND'" >&2; exit 2 ;;
+esac
+echo "setup: MLX backend $MLX_TRIO_BACKEND" >&2
+
+run() {
+    if [[ -n "$dry_run" ]]; then echo "+ $*"; else "$@"; fi
+}
+
+installed() {
+    [[ -x .venv/bin/python ]] && .venv/bin/python -m pip show -q "$1" >/dev/null 2>&1
+}
+
+mlx_version() {
+    if [[ -n "$dry_run" ]]; then echo "<installed mlx version>"; return; fi
+    .venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx"))'
+}
 
 PYTHON="${PYTHON:-python3}"
-[[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
-extra=""
-[[ "${1:-}" == "--test" ]] && extra="[test]"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extra}"
+pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
+[[ -x .venv/bin/python ]] || run "$PYTHON" -m venv .venv
+spec="."
+if (( ${#extras[@]} )); then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
+run "${pip[@]}" install -e "$spec"
+# The base dependencies pull mlx-cpu on Linux (mlx alone has no libmlx.so there), so a CUDA
+# install always has the CPU wheel to remove.
+if [[ "$MLX_TRIO_BACKEND" == cuda ]] || { [[ -n "$other" ]] && installed "$other"; }; then
+    run "${pip[@]}" uninstall -y "$other"
+    run "${pip[@]}" install --force-reinstall --no-deps "$wheel==$(mlx_version)"
+fi
