@@ -175,18 +175,6 @@ class Exchange:
         return fmt.sum_usage([o.usage for o in self.outcomes if isinstance(o, Completed)])
 
 
-async def submit_all(rt: RuntimeHandle, requests: list[GenerationRequest]) -> list[SessionHandle]:
-    handles: list[SessionHandle] = []
-    try:
-        for generation in requests:
-            handles.append(await rt.submit(generation))
-    except BaseException:
-        for handle in handles:
-            handle.cancel_nowait("requested")
-        raise
-    return handles
-
-
 def _refusal(exc: Exception) -> HttpError:
     match exc:
         case InvalidRequestError():
@@ -263,7 +251,7 @@ class Api:
                 for p, prompt in enumerate(prompts)
                 for i in range(body.n)
             ]
-            handles = await submit_all(rt, generations)
+            handles = await rt.submit_all(generations)
         except (InvalidRequestError, OverloadedError, RuntimeClosedError) as exc:
             if isinstance(exc, RuntimeRefusal):  # labelled "overloaded" or "shutting_down"
                 self.state.metrics.refusals.labels(exc.code).inc()
