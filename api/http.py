@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -53,6 +53,7 @@ from mlx_trio.engine.errors import (
     RuntimeRefusal,
 )
 from mlx_trio.engine.outputs import TokenLogprob
+from mlx_trio.engine.prompt import ChatMessage
 
 logger = logging.getLogger("mlx_trio.http")
 
@@ -68,6 +69,9 @@ OUTCOME_STATUS = {
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
+    """The HTTP edge's limits. ``max_n``: the choices one request may ask for, counted as
+    prompts x ``n`` (each choice takes an admission slot); more is refused with 400."""
+
     api_key: str | None = None
     max_body_bytes: int = 2 * 1024 * 1024
     max_n: int = 8
@@ -163,6 +167,7 @@ class Exchange:
     model: str
     handles: list[SessionHandle]
     token_text: Callable[[int], str]
+    n: int = 1  # choices to a prompt: handles[p * n : (p + 1) * n] share prompt p
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
     outcomes: list[Outcome | None] = field(default_factory=list)
@@ -170,9 +175,11 @@ class Exchange:
     def __post_init__(self) -> None:
         self.outcomes = [None] * len(self.handles)
 
-    def usage(self) -> Usage:
-        """The completed sessions' usage, summed."""
-        return fmt.sum_usage([o.usage for o in self.outcomes if isinstance(o, Completed)])
+    def usage(self, *, of: type | tuple[type, ...] = Completed) -> Usage:
+        """The usage of the sessions whose outcome is an ``of``: each prompt's tokens once,
+        every choice's completion tokens."""
+        usages = [o.usage if isinstance(o, of) else None for o in self.outcomes]
+        return fmt.sum_usage(usages, choices_per_prompt=self.n)
 
 
 def _refusal(exc: Exception) -> HttpError:
@@ -211,23 +218,43 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         body = parse(ChatCompletionRequest, await self._read(request))
-        return await self._generate(request, "chat", body, [body.chat])
+        return await self._generate(request, "chat", body, 1, lambda: [body.chat()])
 
     async def completions(self, request: Request) -> Response:
         body = parse(CompletionRequest, await self._read(request))
-        try:
-            prompts = body.prompts()
-        except InvalidRequestError as exc:
-            raise _refusal(exc) from None
-        return await self._generate(request, "text", body, [lambda p=p: p for p in prompts])
+        return await self._generate(request, "text", body, body.num_prompts, body.prompts)
+
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        """At most ``max_n`` choices (prompts x ``n``): each takes an admission slot."""
+        max_n = self.settings.max_n
+        if num_prompts == 1 and not 1 <= n <= max_n:
+            raise HttpError(400, f"n must be between 1 and {max_n}, got {n}", param="n")
+        if n < 1:
+            raise HttpError(400, f"n must be at least 1, got {n}", param="n")
+        if num_prompts > max_n:
+            raise HttpError(
+                400,
+                f"prompt may hold at most {max_n} prompts on this server, got {num_prompts}",
+                param="prompt",
+            )
+        if num_prompts * n > max_n:
+            raise HttpError(
+                400,
+                f"a request may ask for at most {max_n} choices (prompts x n) on this server, "
+                f"got {num_prompts} prompts x n={n}",
+                param="n",
+            )
 
     async def _generate(
         self,
         request: Request,
         kind: fmt.Kind,
         body: ChatCompletionRequest | CompletionRequest,
-        prompts: list[Callable[[], Any]],
+        num_prompts: int,
+        prompts: Callable[[], Sequence[str | tuple[ChatMessage, ...]]],
     ) -> Response:
+        """``prompts`` (``num_prompts`` of them, each to get ``n`` choices) raises
+        ``InvalidRequestError`` for a bad prompt; it is called after the cheaper checks."""
         rt = self._runtime()
         if body.model not in (self.state.model_id, rt.model_id):
             raise HttpError(
@@ -236,19 +263,18 @@ class Api:
                 param="model",
                 code="model_not_found",
             )
-        if not 1 <= body.n <= self.settings.max_n:
-            raise HttpError(400, f"n must be between 1 and {self.settings.max_n}", param="n")
+        self._check_choices(num_prompts, body.n)
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         timeout = body.timeout if body.timeout is not None else self.settings.request_timeout_s
         try:
             generations = [
                 GenerationRequest(
-                    prompt(),
+                    prompt,
                     body.params(default_max_tokens=self.settings.default_max_tokens, seed_offset=i),
                     timeout_s=timeout,
                     request_id=f"{request_id}/{p * body.n + i}",
                 )
-                for p, prompt in enumerate(prompts)
+                for p, prompt in enumerate(prompts())
                 for i in range(body.n)
             ]
             handles = await rt.submit_all(generations)
@@ -256,7 +282,9 @@ class Api:
             if isinstance(exc, RuntimeRefusal):  # labelled "overloaded" or "shutting_down"
                 self.state.metrics.refusals.labels(exc.code).inc()
             raise _refusal(exc) from None
-        exchange = Exchange(request_id, kind, body.model, handles, rt.runtime.engine.token_text)
+        exchange = Exchange(
+            request_id, kind, body.model, handles, rt.runtime.engine.token_text, n=body.n
+        )
         headers = {"X-Request-Id": request_id}
         if body.stream:
             return EventStream(self, exchange, body.include_usage, headers)
@@ -353,10 +381,7 @@ class Api:
 
     def _log(self, ex: Exchange, status: int) -> None:
         done = [o for o in ex.outcomes if o is not None]
-        completion = sum(
-            o.usage.completion_tokens for o in done if isinstance(o, Completed | Cancelled)
-        )
-        prompt = next((o.usage.prompt_tokens for o in done if not isinstance(o, Failed)), 0)
+        usage = ex.usage(of=(Completed, Cancelled))
         ttfts = [o.timings.ttft_s for o in done if isinstance(o, Completed) and o.timings.ttft_s]
         summary = ",".join(describe(o) for o in done)
         logger.info(
@@ -364,8 +389,8 @@ class Api:
             ex.request_id,
             status,
             summary,
-            prompt,
-            completion,
+            usage.prompt_tokens,
+            usage.completion_tokens,
             f"{min(ttfts):.3f}s" if ttfts else "-",
             time.perf_counter() - ex.started,
         )

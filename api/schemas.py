@@ -125,12 +125,29 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    """``prompt``: a string, a list of strings, or (OpenAI's other forms, parsed to be counted
+    and refused) one list of token ids or a list of them."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool = False
 
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts ``prompt`` holds: each gets ``n`` choices."""
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+            return 1
+        return len(self.prompt)
+
     def prompts(self) -> list[str]:
-        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if isinstance(self.prompt, str):
+            prompts = [self.prompt]
+        elif _is_token_ids(self.prompt) or not all(isinstance(p, str) for p in self.prompt):
+            raise InvalidRequestError(
+                "prompt as token ids is not supported; send text", param="prompt"
+            )
+        else:
+            prompts = [p for p in self.prompt if isinstance(p, str)]
         if not prompts:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if self.echo:
@@ -144,3 +161,7 @@ class CompletionRequest(_Sampling):
             top_logprobs=self.logprobs or 0,
             seed_offset=seed_offset,
         )
+
+
+def _is_token_ids(prompt: list[str] | list[int] | list[list[int]]) -> bool:
+    return bool(prompt) and isinstance(prompt[0], int)
