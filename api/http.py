@@ -11,7 +11,6 @@ and then ``[DONE]``. Why Starlette: design/005-http.md.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -42,6 +41,7 @@ from mlx_trio.actors.messages import (
     describe,
 )
 from mlx_trio.actors.runtime import RuntimeStatistics
+from mlx_trio.api import json_body
 from mlx_trio.api import openai_format as fmt
 from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle
 from mlx_trio.api.metrics import Metrics
@@ -133,11 +133,11 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str,
     if deadline.cancelled_caught:
         raise HttpError(408, f"the request body did not arrive within {timeout_s:g} s")
     try:
-        data = json.loads(body.decode("utf-8"))
+        data = json_body.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
         raise HttpError(400, "request body is not valid UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise HttpError(400, f"request body is not valid JSON: {exc.msg}") from None
+    except InvalidRequestError as exc:
+        raise _refusal(exc) from None
     if not isinstance(data, dict):
         raise HttpError(400, "request body must be a JSON object")
     return data
@@ -595,19 +595,26 @@ MAX_HEADER_BYTES = 16 * 1024
 class EdgeMiddleware:
     """Checks made before routing: 431 for request heads over 16 KiB (h11 only catches heads
     that arrive in pieces), and, with an API key, 401 ``invalid_api_key`` unless the bearer
-    token matches (compared in constant time). /health stays open."""
+    token matches (compared in constant time). /health stays open. An exception that escapes
+    the app (a bug: the app has answered 500 ``server_error`` if it could) is logged here with
+    its traceback, once, and goes no further."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            error = self._check(scope)
-            if error is not None:
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._check(scope)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        except Exception:
+            logger.exception("%s %s failed", scope["method"], scope["path"])
 
     def _check(self, scope: Scope) -> HttpError | None:
         headers = scope["headers"]
@@ -636,6 +643,12 @@ def build_app(state: AppState) -> ASGIApp:
         assert isinstance(exc, HTTPException)
         return HttpError(exc.status_code, str(exc.detail)).response()
 
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        """Anything else a handler raises: a bug, answered in OpenAI's shape (Starlette's own
+        answer is text/plain) and logged by ``EdgeMiddleware``."""
+        message = "the server failed to handle the request; see its log"
+        return HttpError(500, message, type="server_error", code="internal_error").response()
+
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
@@ -646,6 +659,10 @@ def build_app(state: AppState) -> ASGIApp:
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", api.metrics, methods=["GET"]),
         ],
-        exception_handlers={HttpError: http_error, HTTPException: starlette_error},
+        exception_handlers={
+            HttpError: http_error,
+            HTTPException: starlette_error,
+            Exception: internal_error,
+        },
     )
     return EdgeMiddleware(app, state.settings.api_key)

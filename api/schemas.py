@@ -6,6 +6,7 @@ parameter name as ``param``. Unknown fields are ignored, as OpenAI-compatible se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -165,3 +166,8 @@ class CompletionRequest(_Sampling):
 
 def _is_token_ids(prompt: list[str] | list[int] | list[list[int]]) -> bool:
     return bool(prompt) and isinstance(prompt[0], int)
+
+
+def format_param(path: Sequence[int | str]) -> str | None:
+    """A path into the body as OpenAI names a parameter: ``messages.[0].content``."""
+    return ".".join(f"[{part}]" if isinstance(part, int) else part for part in path) or None
