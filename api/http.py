@@ -45,8 +45,9 @@ from mlx_trio.api import json_body
 from mlx_trio.api import openai_format as fmt
 from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle
 from mlx_trio.api.metrics import Metrics
-from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
+from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest, error_param
 from mlx_trio.engine.errors import (
+    ContextLengthExceededError,
     InvalidRequestError,
     OverloadedError,
     RuntimeClosedError,
@@ -150,9 +151,17 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        raise HttpError(400, f"{param}: {first['msg']}", param=param) from None
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> HttpError:
+    """One error for the deepest parameter that failed (where a value failed each member of a
+    union, the member it got furthest into), with what each member expected there."""
+    params = [error_param(e["loc"]) for e in exc.errors()]
+    param = max(params, key=lambda p: 0 if p is None else p.count(".") + 1)
+    messages = [e["msg"] for e, p in zip(exc.errors(), params, strict=True) if p == param]
+    text = " or ".join(dict.fromkeys(messages))
+    return HttpError(400, f"{param}: {text}" if param else text, param=param)
 
 
 # -- generation --------------------------------------------------------------------------
@@ -281,6 +290,8 @@ class Api:
         except (InvalidRequestError, OverloadedError, RuntimeClosedError) as exc:
             if isinstance(exc, RuntimeRefusal):  # labelled "overloaded" or "shutting_down"
                 self.state.metrics.refusals.labels(exc.code).inc()
+            if kind == "text" and isinstance(exc, ContextLengthExceededError):
+                exc.param = "prompt"  # the engine names a chat's field, "messages"
             raise _refusal(exc) from None
         exchange = Exchange(
             request_id, kind, body.model, handles, rt.runtime.engine.token_text, n=body.n

@@ -99,6 +99,7 @@ def test_a_bad_later_prompt_leaves_the_earlier_ones_unstarted(client):
     reply = client.post("/v1/completions", json=body)
     assert reply.status_code == 400
     assert reply.json()["error"]["code"] == "context_length_exceeded"
+    assert reply.json()["error"]["param"] == "prompt"
     after = stats(client)
     assert after["cancelled"] == before["cancelled"]
     assert after["rows_submitted"] == before["rows_submitted"]

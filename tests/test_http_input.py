@@ -1,6 +1,6 @@
-"""Bad input over the real HTTP server: bodies that break the JSON parser or the tokenizer, and
-the last-resort answer to a bug (a 500 in OpenAI's shape, logged, never Starlette's
-text/plain)."""
+"""Bad input over the real HTTP server: bodies that break the JSON parser or the tokenizer, the
+``param`` of every 400 the edge gives, and the last-resort answer to a bug (a 500 in OpenAI's
+shape, logged, never Starlette's text/plain)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
 from tests.server_thread import ServerThread
-from tests.test_http import MODEL, stats, wait_for
+from tests.test_http import MODEL, chat_body, stats, wait_for
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -145,8 +145,68 @@ def test_64_levels_and_a_surrogate_pair_are_fine(client):
     assert reply.status_code == 200, reply.text
 
 
+# -- every 400 names the parameter the client sent -----------------------------------------
+
+
 def completion_body(**extra: object) -> dict:
     return {"model": MODEL, "prompt": "hi", "max_tokens": 2} | extra
+
+
+BAD_PARAMS = [
+    (chat_body(timeout=-1), "timeout"),
+    (chat_body(timeout=0), "timeout"),
+    (completion_body(timeout=-0.5), "timeout"),
+    (chat_body(max_tokens=0), "max_tokens"),
+    (chat_body(max_completion_tokens=0), "max_completion_tokens"),
+    (chat_body(max_completion_tokens=-1, max_tokens=5), "max_completion_tokens"),
+    (chat_body(max_completion_tokens="x"), "max_completion_tokens"),
+    (chat_body(max_completion_tokens=100_000), "messages"),  # context_length_exceeded
+    (completion_body(max_tokens=100_000), "prompt"),  # context_length_exceeded
+    (chat_body(stop=5), "stop"),
+    (chat_body(stop=["a", 5]), "stop.[1]"),
+    (chat_body(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (chat_body(stop=""), "stop"),
+    (chat_body(logit_bias={"x": 1}), "logit_bias"),
+    (chat_body(logit_bias={"5": "a"}), "logit_bias"),
+    (chat_body(logit_bias={"5": 500}), "logit_bias"),
+    (chat_body(logit_bias=[1]), "logit_bias"),
+    (chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat_body(top_logprobs=2), "top_logprobs"),
+    (chat_body(logprobs=True, top_logprobs="a"), "top_logprobs"),
+    (chat_body(n="a"), "n"),
+    (chat_body(n=1.5), "n"),
+    (chat_body(seed=-1), "seed"),
+    (chat_body(seed=1.5), "seed"),
+    (chat_body(seed=2**64), "seed"),
+    (chat_body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+    (chat_body(stream_options=5), "stream_options"),
+    (chat_body(temperature="hot"), "temperature"),
+    (chat_body(model=5), "model"),
+    ({"model": MODEL}, "messages"),
+    (chat_body(messages="hi"), "messages"),
+    (chat_body(messages=[{"role": "user", "content": 5}]), "messages.[0].content"),
+    (chat_body(messages=[{"role": "user"}, {"content": "x"}]), "messages.[1].role"),
+    (
+        chat_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        "messages.[0].content.[0].type",
+    ),
+    (completion_body(logprobs=50), "logprobs"),
+    (completion_body(logprobs=-1), "logprobs"),
+    (completion_body(prompt=5), "prompt"),
+    (completion_body(prompt=["a", 5]), "prompt.[1]"),
+    (completion_body(max_tokens=0), "max_tokens"),
+    (completion_body(echo=True), "echo"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_PARAMS, ids=[p for _, p in BAD_PARAMS])
+def test_each_bad_value_gets_400_naming_its_param(client, body, param):
+    path = COMPLETIONS if "prompt" in body else CHAT
+    reply = client.post(path, json=body)
+    error = assert_openai_error(reply, 400, param)
+    assert error["type"] == "invalid_request_error"
+    context = error["code"] == "context_length_exceeded"
+    assert error["message"].startswith(param.split(".")[0]) or context
 
 
 # -- the last resort ------------------------------------------------------------------------
