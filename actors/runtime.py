@@ -39,6 +39,7 @@ from mlx_trio.actors.serial import SerialExecutor
 from mlx_trio.actors.session import Session, SessionLinks
 from mlx_trio.engine.errors import RuntimeClosedError
 from mlx_trio.engine.outputs import PromptCacheStatistics
+from mlx_trio.engine.params import PreparedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -161,35 +162,76 @@ class Runtime:
         Raises ``InvalidRequestError`` (nothing admitted), ``OverloadedError`` or
         ``RuntimeClosedError`` (nothing queued). If cancelled, nothing is left admitted.
         """
+        [started] = await self.submit_all([request])
+        return started
+
+    async def submit_all(
+        self, requests: list[GenerationRequest]
+    ) -> list[tuple[Session, trio.MemoryReceiveChannel[Event]]]:
+        """Admit several requests together or not at all (one HTTP request's choices).
+
+        Every request is checked before any is admitted, and none starts before every one holds
+        a permit or a place in the queue. Raises as :meth:`submit` does; then, and if cancelled,
+        the permits and queue places it took are given back and no session was started.
+        """
         if self._closed:
             raise RuntimeClosedError("the runtime is shutting down and admits no new requests")
-        self._submitting += 1
+        self._submitting += len(requests)
         try:
-            return await self._submit(request)
+            prepared = [await self.engine.prepare(r.prompt, r.params) for r in requests]
+            admissions = await self._admit_all(len(requests))
+            return [
+                self._start(request, ready, admission)
+                for request, ready, admission in zip(requests, prepared, admissions, strict=True)
+            ]
         finally:
-            self._submitting -= 1
+            self._submitting -= len(requests)
 
-    async def _submit(
-        self, request: GenerationRequest
-    ) -> tuple[Session, trio.MemoryReceiveChannel[Event]]:
-        prepared = await self.engine.prepare(request.prompt, request.params)
-        lane = self.place(request, self.engine.unbatchable_reason(prepared))
+    async def _admit_all(self, count: int) -> list[trio.MemoryReceiveChannel[gate.Reply]]:
+        """``count`` admissions from the gate, each a channel holding its permit or to receive
+        it once queued; if one is refused, the others are withdrawn."""
+        admissions: list[trio.MemoryReceiveChannel[gate.Reply]] = []
+        try:
+            for _ in range(count):
+                admissions.append(await self._admit())
+        except BaseException:
+            with trio.move_on_after(1.0, shield=True):
+                for admission in admissions:
+                    await self._withdraw(admission)
+            raise
+        return admissions
+
+    async def _admit(self) -> trio.MemoryReceiveChannel[gate.Reply]:
         reply_send, reply_recv = trio.open_memory_channel[gate.Reply](2)
         try:
             await self.gate.inbox.send(gate.Admit(reply_send))
             first = await reply_recv.receive()
         except BaseException:
             with trio.move_on_after(1.0, shield=True):
-                permit = take_buffered(reply_recv, gate.Permit)
-                await reply_recv.aclose()
-                if permit is not None:
-                    await self.gate.inbox.send(gate.Release(permit))
+                await self._withdraw(reply_recv)
             raise
         if isinstance(first, gate.Refused):
             await reply_recv.aclose()
             raise first.error
         # Put a permit granted at once back in the channel, where the session looks for it.
         await reply_send.send(first)
+        return reply_recv
+
+    async def _withdraw(self, admission: trio.MemoryReceiveChannel[gate.Reply]) -> None:
+        """Give back a permit (granted, or buffered as its requester left), or leave the queue:
+        the gate skips a waiter whose reply channel is closed."""
+        permit = take_buffered(admission, gate.Permit)
+        await admission.aclose()
+        if permit is not None:
+            await self.gate.inbox.send(gate.Release(permit))
+
+    def _start(
+        self,
+        request: GenerationRequest,
+        prepared: PreparedRequest,
+        admission: trio.MemoryReceiveChannel[gate.Reply],
+    ) -> tuple[Session, trio.MemoryReceiveChannel[Event]]:
+        lane = self.place(request, self.engine.unbatchable_reason(prepared))
         consumer_send, consumer_recv = trio.open_memory_channel[Event](self.config.event_buffer)
         deadline = (
             trio.current_time() + request.timeout_s if request.timeout_s is not None else math.inf
@@ -207,7 +249,7 @@ class Runtime:
         self._sessions[session.id] = session
         self._no_sessions = trio.Event() if self._no_sessions.is_set() else self._no_sessions
         self._rows_by_lane[lane] += 1
-        self._sessions_nursery.start_soon(self._run_session, session, reply_recv)
+        self._sessions_nursery.start_soon(self._run_session, session, admission)
         return session, consumer_recv
 
     def rows_on_their_way(self) -> int:

@@ -11,11 +11,10 @@ and then ``[DONE]``. Why Starlette: design/005-http.md.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -42,17 +41,20 @@ from mlx_trio.actors.messages import (
     describe,
 )
 from mlx_trio.actors.runtime import RuntimeStatistics
+from mlx_trio.api import json_body
 from mlx_trio.api import openai_format as fmt
 from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle
 from mlx_trio.api.metrics import Metrics
-from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
+from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest, error_param
 from mlx_trio.engine.errors import (
+    ContextLengthExceededError,
     InvalidRequestError,
     OverloadedError,
     RuntimeClosedError,
     RuntimeRefusal,
 )
 from mlx_trio.engine.outputs import TokenLogprob
+from mlx_trio.engine.prompt import ChatMessage
 
 logger = logging.getLogger("mlx_trio.http")
 
@@ -68,6 +70,9 @@ OUTCOME_STATUS = {
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
+    """The HTTP edge's limits. ``max_n``: the choices one request may ask for, counted as
+    prompts x ``n`` (each choice takes an admission slot); more is refused with 400."""
+
     api_key: str | None = None
     max_body_bytes: int = 2 * 1024 * 1024
     max_n: int = 8
@@ -129,11 +134,11 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str,
     if deadline.cancelled_caught:
         raise HttpError(408, f"the request body did not arrive within {timeout_s:g} s")
     try:
-        data = json.loads(body.decode("utf-8"))
+        data = json_body.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
         raise HttpError(400, "request body is not valid UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise HttpError(400, f"request body is not valid JSON: {exc.msg}") from None
+    except InvalidRequestError as exc:
+        raise _refusal(exc) from None
     if not isinstance(data, dict):
         raise HttpError(400, "request body must be a JSON object")
     return data
@@ -146,9 +151,17 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        raise HttpError(400, f"{param}: {first['msg']}", param=param) from None
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> HttpError:
+    """One error for the deepest parameter that failed (where a value failed each member of a
+    union, the member it got furthest into), with what each member expected there."""
+    params = [error_param(e["loc"]) for e in exc.errors()]
+    param = max(params, key=lambda p: 0 if p is None else p.count(".") + 1)
+    messages = [e["msg"] for e, p in zip(exc.errors(), params, strict=True) if p == param]
+    text = " or ".join(dict.fromkeys(messages))
+    return HttpError(400, f"{param}: {text}" if param else text, param=param)
 
 
 # -- generation --------------------------------------------------------------------------
@@ -163,6 +176,7 @@ class Exchange:
     model: str
     handles: list[SessionHandle]
     token_text: Callable[[int], str]
+    n: int = 1  # choices to a prompt: handles[p * n : (p + 1) * n] share prompt p
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
     outcomes: list[Outcome | None] = field(default_factory=list)
@@ -170,21 +184,11 @@ class Exchange:
     def __post_init__(self) -> None:
         self.outcomes = [None] * len(self.handles)
 
-    def usage(self) -> Usage:
-        """The completed sessions' usage, summed."""
-        return fmt.sum_usage([o.usage for o in self.outcomes if isinstance(o, Completed)])
-
-
-async def submit_all(rt: RuntimeHandle, requests: list[GenerationRequest]) -> list[SessionHandle]:
-    handles: list[SessionHandle] = []
-    try:
-        for generation in requests:
-            handles.append(await rt.submit(generation))
-    except BaseException:
-        for handle in handles:
-            handle.cancel_nowait("requested")
-        raise
-    return handles
+    def usage(self, *, of: type | tuple[type, ...] = Completed) -> Usage:
+        """The usage of the sessions whose outcome is an ``of``: each prompt's tokens once,
+        every choice's completion tokens."""
+        usages = [o.usage if isinstance(o, of) else None for o in self.outcomes]
+        return fmt.sum_usage(usages, choices_per_prompt=self.n)
 
 
 def _refusal(exc: Exception) -> HttpError:
@@ -223,23 +227,43 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         body = parse(ChatCompletionRequest, await self._read(request))
-        return await self._generate(request, "chat", body, [body.chat])
+        return await self._generate(request, "chat", body, 1, lambda: [body.chat()])
 
     async def completions(self, request: Request) -> Response:
         body = parse(CompletionRequest, await self._read(request))
-        try:
-            prompts = body.prompts()
-        except InvalidRequestError as exc:
-            raise _refusal(exc) from None
-        return await self._generate(request, "text", body, [lambda p=p: p for p in prompts])
+        return await self._generate(request, "text", body, body.num_prompts, body.prompts)
+
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        """At most ``max_n`` choices (prompts x ``n``): each takes an admission slot."""
+        max_n = self.settings.max_n
+        if num_prompts == 1 and not 1 <= n <= max_n:
+            raise HttpError(400, f"n must be between 1 and {max_n}, got {n}", param="n")
+        if n < 1:
+            raise HttpError(400, f"n must be at least 1, got {n}", param="n")
+        if num_prompts > max_n:
+            raise HttpError(
+                400,
+                f"prompt may hold at most {max_n} prompts on this server, got {num_prompts}",
+                param="prompt",
+            )
+        if num_prompts * n > max_n:
+            raise HttpError(
+                400,
+                f"a request may ask for at most {max_n} choices (prompts x n) on this server, "
+                f"got {num_prompts} prompts x n={n}",
+                param="n",
+            )
 
     async def _generate(
         self,
         request: Request,
         kind: fmt.Kind,
         body: ChatCompletionRequest | CompletionRequest,
-        prompts: list[Callable[[], Any]],
+        num_prompts: int,
+        prompts: Callable[[], Sequence[str | tuple[ChatMessage, ...]]],
     ) -> Response:
+        """``prompts`` (``num_prompts`` of them, each to get ``n`` choices) raises
+        ``InvalidRequestError`` for a bad prompt; it is called after the cheaper checks."""
         rt = self._runtime()
         if body.model not in (self.state.model_id, rt.model_id):
             raise HttpError(
@@ -248,27 +272,30 @@ class Api:
                 param="model",
                 code="model_not_found",
             )
-        if not 1 <= body.n <= self.settings.max_n:
-            raise HttpError(400, f"n must be between 1 and {self.settings.max_n}", param="n")
+        self._check_choices(num_prompts, body.n)
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         timeout = body.timeout if body.timeout is not None else self.settings.request_timeout_s
         try:
             generations = [
                 GenerationRequest(
-                    prompt(),
+                    prompt,
                     body.params(default_max_tokens=self.settings.default_max_tokens, seed_offset=i),
                     timeout_s=timeout,
                     request_id=f"{request_id}/{p * body.n + i}",
                 )
-                for p, prompt in enumerate(prompts)
+                for p, prompt in enumerate(prompts())
                 for i in range(body.n)
             ]
-            handles = await submit_all(rt, generations)
+            handles = await rt.submit_all(generations)
         except (InvalidRequestError, OverloadedError, RuntimeClosedError) as exc:
             if isinstance(exc, RuntimeRefusal):  # labelled "overloaded" or "shutting_down"
                 self.state.metrics.refusals.labels(exc.code).inc()
+            if kind == "text" and isinstance(exc, ContextLengthExceededError):
+                exc.param = "prompt"  # the engine names a chat's field, "messages"
             raise _refusal(exc) from None
-        exchange = Exchange(request_id, kind, body.model, handles, rt.runtime.engine.token_text)
+        exchange = Exchange(
+            request_id, kind, body.model, handles, rt.runtime.engine.token_text, n=body.n
+        )
         headers = {"X-Request-Id": request_id}
         if body.stream:
             return EventStream(self, exchange, body.include_usage, headers)
@@ -365,10 +392,7 @@ class Api:
 
     def _log(self, ex: Exchange, status: int) -> None:
         done = [o for o in ex.outcomes if o is not None]
-        completion = sum(
-            o.usage.completion_tokens for o in done if isinstance(o, Completed | Cancelled)
-        )
-        prompt = next((o.usage.prompt_tokens for o in done if not isinstance(o, Failed)), 0)
+        usage = ex.usage(of=(Completed, Cancelled))
         ttfts = [o.timings.ttft_s for o in done if isinstance(o, Completed) and o.timings.ttft_s]
         summary = ",".join(describe(o) for o in done)
         logger.info(
@@ -376,8 +400,8 @@ class Api:
             ex.request_id,
             status,
             summary,
-            prompt,
-            completion,
+            usage.prompt_tokens,
+            usage.completion_tokens,
             f"{min(ttfts):.3f}s" if ttfts else "-",
             time.perf_counter() - ex.started,
         )
@@ -582,19 +606,26 @@ MAX_HEADER_BYTES = 16 * 1024
 class EdgeMiddleware:
     """Checks made before routing: 431 for request heads over 16 KiB (h11 only catches heads
     that arrive in pieces), and, with an API key, 401 ``invalid_api_key`` unless the bearer
-    token matches (compared in constant time). /health stays open."""
+    token matches (compared in constant time). /health stays open. An exception that escapes
+    the app (a bug: the app has answered 500 ``server_error`` if it could) is logged here with
+    its traceback, once, and goes no further."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            error = self._check(scope)
-            if error is not None:
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._check(scope)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        except Exception:
+            logger.exception("%s %s failed", scope["method"], scope["path"])
 
     def _check(self, scope: Scope) -> HttpError | None:
         headers = scope["headers"]
@@ -623,6 +654,12 @@ def build_app(state: AppState) -> ASGIApp:
         assert isinstance(exc, HTTPException)
         return HttpError(exc.status_code, str(exc.detail)).response()
 
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        """Anything else a handler raises: a bug, answered in OpenAI's shape (Starlette's own
+        answer is text/plain) and logged by ``EdgeMiddleware``."""
+        message = "the server failed to handle the request; see its log"
+        return HttpError(500, message, type="server_error", code="internal_error").response()
+
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
@@ -633,6 +670,10 @@ def build_app(state: AppState) -> ASGIApp:
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", api.metrics, methods=["GET"]),
         ],
-        exception_handlers={HttpError: http_error, HTTPException: starlette_error},
+        exception_handlers={
+            HttpError: http_error,
+            HTTPException: starlette_error,
+            Exception: internal_error,
+        },
     )
     return EdgeMiddleware(app, state.settings.api_key)

@@ -125,6 +125,12 @@ class RuntimeHandle:
         session, events = await self._runtime.submit(request)
         return SessionHandle(session, events)
 
+    async def submit_all(self, requests: list[GenerationRequest]) -> list[SessionHandle]:
+        """Admit several requests together or not at all; raises as ``submit`` does, and then
+        none of them was admitted or started."""
+        started = await self._runtime.submit_all(requests)
+        return [SessionHandle(session, events) for session, events in started]
+
     async def collect(self, request: GenerationRequest | str) -> Collected:
         """Run a request to its end; return its whole text, tokens and outcome."""
         handle = await self.submit(request)

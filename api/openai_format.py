@@ -28,12 +28,18 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def sum_usage(usages: list[Usage]) -> Usage:
-    """n choices share one prompt: count it once, add the completions."""
+def sum_usage(usages: list[Usage | None], *, choices_per_prompt: int) -> Usage:
+    """The usage of a request's choices, in order, ``choices_per_prompt`` (``n``) to a prompt;
+    None for a choice without usage. As OpenAI counts: each prompt's tokens once however many
+    choices it has, summed over the prompts; every choice's completion tokens."""
+    prompts = [
+        next((u for u in usages[i : i + choices_per_prompt] if u is not None), None)
+        for i in range(0, len(usages), choices_per_prompt)
+    ]
     return Usage(
-        prompt_tokens=usages[0].prompt_tokens if usages else 0,
-        completion_tokens=sum(u.completion_tokens for u in usages),
-        cached_tokens=usages[0].cached_tokens if usages else 0,
+        prompt_tokens=sum(u.prompt_tokens for u in prompts if u is not None),
+        completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
+        cached_tokens=sum(u.cached_tokens for u in prompts if u is not None),
     )
 
 

@@ -1,11 +1,14 @@
 """OpenAI-compatible request bodies (pydantic) and their translation to runtime requests.
 
-Type errors are pydantic's; range errors come from ``SamplingParams`` with the OpenAI
-parameter name as ``param``. Unknown fields are ignored, as OpenAI-compatible servers do.
+Type errors are pydantic's, named by :func:`error_param` as OpenAI names them
+(``messages.[0].content``); range errors come from ``SamplingParams``, named by the field the
+client sent (``max_completion_tokens`` or ``max_tokens``). Unknown fields are ignored, as
+OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -58,7 +61,7 @@ class _Sampling(_Body):
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    timeout: Number | None = Field(default=None, description="seconds; mlx-trio extension")
+    timeout: Number | None = Field(default=None, gt=0, description="seconds; mlx-trio extension")
 
     def _stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -77,7 +80,27 @@ class _Sampling(_Body):
         return bias
 
     def sampling_params(
-        self, *, max_tokens: int, logprobs: bool, top_logprobs: int, seed_offset: int = 0
+        self,
+        *,
+        max_tokens: int,
+        logprobs: bool,
+        top_logprobs: int,
+        seed_offset: int = 0,
+        sent_as: Mapping[str, str] | None = None,
+    ) -> SamplingParams:
+        """``sent_as``: the body's name for a ``SamplingParams`` field where it differs, so that
+        an error names what the client sent."""
+        try:
+            return self._sampling_params(max_tokens, logprobs, top_logprobs, seed_offset)
+        except InvalidRequestError as exc:
+            name = (sent_as or {}).get(exc.param or "")
+            if name is None or exc.param is None:
+                raise
+            message = name + exc.message.removeprefix(exc.param)
+            raise InvalidRequestError(message, param=name, code=exc.code) from None
+
+    def _sampling_params(
+        self, max_tokens: int, logprobs: bool, top_logprobs: int, seed_offset: int
     ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -116,21 +139,40 @@ class ChatCompletionRequest(_Sampling):
     def params(self, *, default_max_tokens: int, seed_offset: int = 0) -> SamplingParams:
         limits = (self.max_completion_tokens, self.max_tokens)
         max_tokens = next((v for v in limits if v is not None), default_max_tokens)
+        sent_as = {"max_tokens": "max_completion_tokens"} if limits[0] is not None else {}
         return self.sampling_params(
             max_tokens=max_tokens,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
             seed_offset=seed_offset,
+            sent_as=sent_as,
         )
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    """``prompt``: a string, a list of strings, or (OpenAI's other forms, parsed to be counted
+    and refused) one list of token ids or a list of them."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool = False
 
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts ``prompt`` holds: each gets ``n`` choices."""
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+            return 1
+        return len(self.prompt)
+
     def prompts(self) -> list[str]:
-        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if isinstance(self.prompt, str):
+            prompts = [self.prompt]
+        elif _is_token_ids(self.prompt) or not all(isinstance(p, str) for p in self.prompt):
+            raise InvalidRequestError(
+                "prompt as token ids is not supported; send text", param="prompt"
+            )
+        else:
+            prompts = [p for p in self.prompt if isinstance(p, str)]
         if not prompts:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if self.echo:
@@ -143,4 +185,31 @@ class CompletionRequest(_Sampling):
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
             seed_offset=seed_offset,
+            sent_as={"top_logprobs": "logprobs"},
         )
+
+
+def _is_token_ids(prompt: list[str] | list[int] | list[list[int]]) -> bool:
+    return bool(prompt) and isinstance(prompt[0], int)
+
+
+_BODIES: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Message,
+    TextPart,
+    StreamOptions,
+)
+_FIELD_NAMES = frozenset(name for body in _BODIES for name in body.model_fields)
+
+
+def error_param(loc: tuple[int | str, ...]) -> str | None:
+    """A pydantic error location as OpenAI names a parameter: ``("messages", 0, "content",
+    "str")`` is ``messages.[0].content``. Pydantic's names for the members of a union
+    (``str``, ``list[str]``) and dict keys are left out."""
+    return format_param([part for part in loc if isinstance(part, int) or part in _FIELD_NAMES])
+
+
+def format_param(path: Sequence[int | str]) -> str | None:
+    """A path into the body as OpenAI names a parameter: ``messages.[0].content``."""
+    return ".".join(f"[{part}]" if isinstance(part, int) else part for part in path) or None
