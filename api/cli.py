@@ -106,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-live", type=int, default=None, help="admitted sessions (default 2x batch)"
     )
     serve.add_argument("--max-queued", type=int, default=256, help="sessions waiting for admission")
-    serve.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for")
+    serve.add_argument(
+        "--max-n",
+        type=int,
+        default=8,
+        help="the most choices a request may ask for: n times its prompts (completions)",
+    )
     serve.add_argument(
         "--api-key",
         default=os.environ.get("MLX_TRIO_API_KEY"),

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from mlx_trio.engine.errors import InvalidRequestError
-from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.params import MAX_SEED, SamplingParams
 from mlx_trio.engine.prompt import ChatMessage
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
@@ -114,7 +114,9 @@ class _Sampling(_Body):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(),
-            seed=None if self.seed is None else self.seed + seed_offset,
+            # Choice i draws from seed + i (wrapping past the largest seed, so any valid seed
+            # serves any n).
+            seed=None if self.seed is None else (self.seed + seed_offset) % (MAX_SEED + 1),
             stop=self._stops(),
             logprobs=logprobs,
             top_logprobs=top_logprobs,

@@ -169,3 +169,10 @@ def test_choices_are_admitted_together_or_not_at_all(stream):
             else:
                 assert len(served.json()["choices"]) == 4
             wait_for(lambda: stats(http)["completed"] == 4)
+
+
+def test_the_largest_seed_serves_several_choices(client):
+    body = completion_body("seeded", n=3, seed=2**63 - 1, temperature=0.5)
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert [c["index"] for c in reply.json()["choices"]] == [0, 1, 2]
