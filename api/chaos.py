@@ -570,11 +570,28 @@ def _counted(outcome: str) -> str:
 
 def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[Check]:
     """Every invariant, each with what it found."""
-    checks: list[Check] = []
-    shutdown = run.plan.shutdown_at_s is not None
-    admitted = [r for r in run.requests if r.refused is None]
-    unseen = [r for r in admitted if r.unseen]
+    return [
+        _refusals_only_past_the_bound(run),
+        _exactly_one_outcome_each(run),
+        _outcome_kinds_match_the_faults(run),
+        _quiescent(run),
+        _untouched_match(run, reference),
+        _stuck_step_unhealthy(run),
+        _counters_agree(run),
+    ]
 
+
+def _admitted(run: RunResult) -> list[RequestResult]:
+    return [r for r in run.requests if r.refused is None]
+
+
+def _allowed(run: RunResult, result: RequestResult) -> set[str]:
+    touched = run.touched.get(result.plan.number, set())
+    return allowed_outcomes(result, touched, run.plan.shutdown_at_s is not None)
+
+
+def _refusals_only_past_the_bound(run: RunResult) -> Check:
+    shutdown = run.plan.shutdown_at_s is not None
     stray = [
         r.plan.number
         for r in run.requests
@@ -592,37 +609,40 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
     refused = f"{sum(bool(r.refused) for r in run.requests)} refused"
     if run.health_status is not None:
         refused += " (over HTTP a refusal cannot show whether the gate was full)"
-    checks.append(
-        Check(
-            "refusals only past the bound",
-            not stray and bound_held,
-            f"stray {stray[:5]}" if stray else refused,
-        )
+    return Check(
+        "refusals only past the bound",
+        not stray and bound_held,
+        f"stray {stray[:5]}" if stray else refused,
     )
 
+
+def _exactly_one_outcome_each(run: RunResult) -> Check:
+    admitted = _admitted(run)
     missing = [
         r.plan.number for r in admitted if not r.unseen and (r.outcome is None or r.truncated)
     ]
     doubled = [r.plan.number for r in admitted if r.outcomes_seen > 1]
-    checks.append(
-        Check(
-            "exactly one outcome each",
-            not missing and not doubled,
-            f"missing {missing[:5]} doubled {doubled[:5]}"
-            if missing or doubled
-            else f"{len(admitted)} admitted, {len(unseen)} unseen",
-        )
+    return Check(
+        "exactly one outcome each",
+        not missing and not doubled,
+        f"missing {missing[:5]} doubled {doubled[:5]}"
+        if missing or doubled
+        else f"{len(admitted)} admitted, {sum(r.unseen for r in admitted)} unseen",
     )
 
+
+def _outcome_kinds_match_the_faults(run: RunResult) -> Check:
     wrong = []
-    for r in admitted:
+    for r in _admitted(run):
         if r.outcome is None:
             continue
-        allowed = allowed_outcomes(r, run.touched.get(r.plan.number, set()), shutdown)
+        allowed = _allowed(run, r)
         if r.outcome not in allowed:
             wrong.append(f"req {r.plan.number}: {r.outcome} not in {sorted(allowed)}")
-    checks.append(Check("outcome kinds match the faults", not wrong, "; ".join(wrong[:3])))
+    return Check("outcome kinds match the faults", not wrong, "; ".join(wrong[:3]))
 
+
+def _quiescent(run: RunResult) -> Check:
     s = run.statistics
     leftovers = {
         "live": s.live_sessions,
@@ -634,17 +654,17 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
         "engine rows": run.engine_rows,
     }
     held = {k: v for k, v in leftovers.items() if v}
-    checks.append(
-        Check(
-            "quiescent: nothing held",
-            not held and s.lane_mode == "idle",
-            f"{held} lane={s.lane_mode}" if held or s.lane_mode != "idle" else "",
-        )
+    return Check(
+        "quiescent: nothing held",
+        not held and s.lane_mode == "idle",
+        f"{held} lane={s.lane_mode}" if held or s.lane_mode != "idle" else "",
     )
 
+
+def _untouched_match(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> Check:
     untouched = [
         r
-        for r in admitted
+        for r in _admitted(run)
         if r.plan.number not in run.touched
         and (r.plan.client is None or r.plan.client.kind == "slow_reader")
         and r.outcome is not None
@@ -656,29 +676,32 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
         same = r.tokens == expected.tokens if r.tokens is not None else r.text == expected.text
         if not same:
             diverged.append(r.plan.number)
-    checks.append(
-        Check(
-            "untouched requests match a fault-free run",
-            not diverged,
-            f"{len(untouched)} compared" + (f", diverged {diverged[:5]}" if diverged else ""),
-        )
+    return Check(
+        "untouched requests match a fault-free run",
+        not diverged,
+        f"{len(untouched)} compared" + (f", diverged {diverged[:5]}" if diverged else ""),
     )
 
-    hangs = run.injections["step_hang"]
+
+def _stuck_step_unhealthy(run: RunResult) -> Check:
+    s, hangs = run.statistics, run.injections["step_hang"]
     hung_ok = (not hangs) or (
         not s.is_healthy and s.stuck_steps == hangs and run.health_status in (None, 503)
     )
     health = "" if run.health_status is None else f" /health={run.health_status}"
-    checks.append(
-        Check(
-            "a stuck step makes the runtime unhealthy",
-            hung_ok,
-            f"hangs={hangs} stuck_steps={s.stuck_steps} healthy={s.is_healthy}{health}",
-        )
+    return Check(
+        "a stuck step makes the runtime unhealthy",
+        hung_ok,
+        f"hangs={hangs} stuck_steps={s.stuck_steps} healthy={s.is_healthy}{health}",
     )
 
-    # What the runtime counted against what the clients saw: every outcome seen was counted,
-    # and the rest are exactly the outcomes of the clients that hung up before seeing theirs.
+
+def _counters_agree(run: RunResult) -> Check:
+    """What the runtime counted against what the clients saw: every outcome seen was counted,
+    and the rest are exactly the outcomes of the clients that hung up before seeing theirs."""
+    s = run.statistics
+    admitted = _admitted(run)
+    unseen = [r for r in admitted if r.unseen]
     counted = Counter({"completed": s.completed})
     counted.update({f"cancelled:{reason}": n for reason, n in s.cancelled.items()})
     counted.update({f"failed:{code}": n for code, n in s.failed.items()})
@@ -689,10 +712,7 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
     residual = counted - seen
     if residual.total() != len(unseen):
         mismatches.append(f"{residual.total()} outcomes not seen, {len(unseen)} unseen requests")
-    possible = [
-        {_counted(o) for o in allowed_outcomes(r, run.touched.get(r.plan.number, set()), shutdown)}
-        for r in unseen
-    ]
+    possible = [{_counted(o) for o in _allowed(run, r)} for r in unseen]
     mismatches += [
         f"{kind} x{n} counted, unseen, allowed for none"
         for kind, n in residual.items()
@@ -706,10 +726,9 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
     )
     if step_faults != s.engine_faults:
         mismatches.append(f"engine_faults stats={s.engine_faults} injected={step_faults}")
-    checks.append(
-        Check("counters agree with outcomes and injections", not mismatches, "; ".join(mismatches))
+    return Check(
+        "counters agree with outcomes and injections", not mismatches, "; ".join(mismatches)
     )
-    return checks
 
 
 # -- the report ---------------------------------------------------------------------------
