@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 import httpx
 import trio
 
+from mlx_trio.actors.batch_group import MAX_STEPS_PER_CALL
 from mlx_trio.actors.faulty import FaultyEngine, RowFault, StepFault, StepFaultKind
 from mlx_trio.actors.messages import (
     Cancelled,
@@ -262,6 +263,16 @@ class RequestResult:
     acted: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class HealthProbe:
+    """What the runtime said of its health, polled during the run, once the first injected
+    hang's watchdog had fired: its statistics and, over HTTP, /health's status code."""
+
+    stuck_steps: int
+    is_healthy: bool
+    health_status: int | None
+
+
 @dataclass
 class RunResult:
     plan: FaultPlan
@@ -272,6 +283,7 @@ class RunResult:
     engine_rows: int
     client: str = "in-process"
     health_status: int | None = None  # GET /health's status code, over HTTP
+    hang_probe: HealthProbe | None = None
 
     @property
     def injected(self) -> Counter[str]:
@@ -307,10 +319,11 @@ async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) ->
     row_faults = [f for f in plan.engine_faults if f.kind in ROW_FAULT_KINDS]
     carriers = _Carriers(engine, [*row_faults, *plan.client_faults])
     step_faults = [f for f in plan.engine_faults if f.kind not in ROW_FAULT_KINDS]
+    probes: list[HealthProbe] = []
     connect = _over_http if http else _in_process
     async with connect(engine, plan.config) as client:
         async with trio.open_nursery() as injector:
-            injector.start_soon(_inject_step_faults, engine, step_faults)
+            injector.start_soon(_inject_step_faults, engine, step_faults, client, plan, probes)
             async with trio.open_nursery() as clients:
                 for request in plan.requests:
                     clients.start_soon(_start, client, request, results[request.number], carriers)
@@ -336,6 +349,7 @@ async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) ->
         engine_rows,
         client.name,
         health,
+        probes[0] if probes else None,
     )
 
 
@@ -394,14 +408,37 @@ def _due(fault: RequestFault) -> float:
     return fault.at_s
 
 
-async def _inject_step_faults(engine: FaultyEngine, faults: list[TimedFault]) -> None:
-    """Put each step fault into the next batch step when its time comes. Cancelled when the
-    workload ends."""
+async def _inject_step_faults(
+    engine: FaultyEngine,
+    faults: list[TimedFault],
+    client: Client,
+    plan: FaultPlan,
+    probes: list[HealthProbe],
+) -> None:
+    """Put each step fault into the next batch step when its time comes; after the first hang,
+    poll the runtime's health until its watchdog has fired. Cancelled when the workload ends."""
     start = trio.current_time()
-    for fault in sorted(faults, key=lambda f: f.at_s):
-        await trio.sleep_until(start + fault.at_s)
-        step = engine.num_batch_steps + 1
-        engine.inject(StepFault(fault.kind, step, slow_s=fault.slow_s))  # type: ignore[arg-type]
+    probing = False
+    async with trio.open_nursery() as nursery:
+        for fault in sorted(faults, key=lambda f: f.at_s):
+            await trio.sleep_until(start + fault.at_s)
+            step = engine.num_batch_steps + 1
+            engine.inject(StepFault(fault.kind, step, slow_s=fault.slow_s))  # type: ignore[arg-type]
+            if fault.kind == "step_hang" and not probing:
+                probing = True
+                nursery.start_soon(_probe_health, client, plan.config, probes)
+
+
+async def _probe_health(client: Client, config: RuntimeConfig, probes: list[HealthProbe]) -> None:
+    """Poll until a stuck step shows in the statistics (the hang starts at the next batch step
+    and lasts a watchdog period per step in its call); ``probes`` holds the latest answer."""
+    deadline = trio.current_time() + config.step_timeout_s * (MAX_STEPS_PER_CALL + 2)
+    while True:
+        stats, health = await client.observe()
+        probes[:] = [HealthProbe(stats.stuck_steps, stats.is_healthy, health)]
+        if stats.stuck_steps or trio.current_time() >= deadline:
+            return
+        await trio.sleep(config.step_timeout_s / 10)
 
 
 # -- in process ---------------------------------------------------------------------------
@@ -816,15 +853,27 @@ def _untouched_match(run: RunResult, reference: Callable[[RequestPlan], Expected
 
 
 def _stuck_step_unhealthy(run: RunResult) -> Check:
-    s, hangs = run.statistics, run.injections["step_hang"]
-    hung_ok = (not hangs) or (
-        not s.is_healthy and s.stuck_steps == hangs and run.health_status in (None, 503)
+    """After a hang: unhealthy during the run (over HTTP /health says 503), and still at the
+    end, with one stuck step counted for each hang."""
+    s, probe, hangs = run.statistics, run.hang_probe, run.injections["step_hang"]
+    seen_unhealthy = (
+        probe is not None and not probe.is_healthy and probe.health_status in (None, 503)
     )
+    hung_ok = (not hangs) or (
+        seen_unhealthy
+        and not s.is_healthy
+        and s.stuck_steps == hangs
+        and run.health_status in (None, 503)
+    )
+    during = "not probed" if probe is None else f"healthy={probe.is_healthy}"
+    if probe is not None and probe.health_status is not None:
+        during += f" /health={probe.health_status}"
     health = "" if run.health_status is None else f" /health={run.health_status}"
     return Check(
         "a stuck step makes the runtime unhealthy",
         hung_ok,
-        f"hangs={hangs} stuck_steps={s.stuck_steps} healthy={s.is_healthy}{health}",
+        f"hangs={hangs}; during the run: {during}; "
+        f"at the end: stuck_steps={s.stuck_steps} healthy={s.is_healthy}{health}",
     )
 
 

@@ -153,6 +153,9 @@ def test_engine_faults_over_http_keep_every_invariant(seed):
     report = run_http(FaultPlan.generate(seed, 40, ENGINE_FAULTS))
     assert report.ok, report.table()
     assert report.run.injected == report.run.plan.planned, report.table()
+    # The hang was injected, and /health said 503 while the run went on.
+    probe = report.run.hang_probe
+    assert probe is not None and probe.stuck_steps == 1 and probe.health_status == 503
     assert report.run.health_status == 503
 
 
