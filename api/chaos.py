@@ -386,7 +386,8 @@ class _Carriers:
             self._waiting.remove(fault)
             if isinstance(fault, ClientFault):
                 return replace(request, client=fault), fault
-            self._engine.inject(RowFault(fault.kind, request.number))  # type: ignore[arg-type]
+            # A sampler fault at the first token: a model may stop at the next.
+            self._engine.inject(RowFault(fault.kind, request.number, at_token=0))  # type: ignore[arg-type]
             return request, fault
         return request, None
 
