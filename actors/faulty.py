@@ -35,7 +35,8 @@ class InjectedStepError(RuntimeError):
 class StepFault:
     """At batch step ``at_step`` (from 1): raise, run out of KV memory, hang, or be slow.
 
-    ``prefill_error`` waits for the first step in which request ``request`` is prefilling.
+    ``prefill_error`` waits for the first step in which request ``request`` is prefilling, or
+    with ``request=None`` any row is: ``at_step`` does not apply to it.
     """
 
     kind: StepFaultKind
@@ -199,7 +200,10 @@ class FaultyEngine:
 
     def _fires(self, fault: StepFault, step: int) -> bool:
         if fault.kind == "prefill_error":
-            return any(self._rows.get(row) == fault.request for row in self._prefilling)
+            return any(
+                fault.request is None or self._rows.get(row) == fault.request
+                for row in self._prefilling
+            )
         return step >= fault.at_step
 
     def _with_sampler_fault(

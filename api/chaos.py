@@ -18,6 +18,7 @@ plan implies:
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import random
@@ -31,7 +32,8 @@ from typing import Any, Literal, Protocol
 import httpx
 import trio
 
-from mlx_trio.actors.faulty import EngineFault, FaultyEngine, RowFault, StepFault
+from mlx_trio.actors.batch_group import MAX_STEPS_PER_CALL
+from mlx_trio.actors.faulty import FaultyEngine, RowFault, StepFault, StepFaultKind
 from mlx_trio.actors.messages import (
     Cancelled,
     Completed,
@@ -72,16 +74,25 @@ CLIENT_KINDS = (
 )
 RUN_KINDS = ("shutdown", "burst")
 FAULT_KINDS = ENGINE_KINDS + CLIENT_KINDS + RUN_KINDS
+# A plan with a hang lasts at least this many step watchdog periods: shorter, and a small plan
+# is mostly hang, and the requests meant to carry the other faults are refused behind it.
+HANG_ROOM = 15
 
 
 @dataclass(frozen=True, slots=True)
 class ClientFault:
     """What a request's client does: stop reading, read slowly, close its end, disconnect,
-    cancel, or set a deadline it cannot meet, after ``after_events`` events."""
+    cancel, or set a deadline it cannot meet, after ``after_events`` events.
+
+    The plan has it due ``at_s`` into the run, and a request carries it as :class:`TimedFault`
+    says: the first one sent from then on, or the next if that one's client could not act it
+    out (refused, or its request finished first).
+    """
 
     kind: ClientFaultKind
     after_events: int = 0
     delay_s: float = 0.0
+    at_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,19 +109,41 @@ class RequestPlan:
         return f"[req {self.number}] tell me something about the number {self.number}"
 
 
+EngineFaultKind = StepFaultKind | Literal["sampler_error", "add_error"]
+ROW_FAULT_KINDS = ("sampler_error", "add_error")
+
+
+@dataclass(frozen=True, slots=True)
+class TimedFault:
+    """An engine fault due ``at_s`` into the run, scheduled by time rather than by step number
+    (how many batch calls a run makes depends on batching, and over HTTP on real time).
+
+    A step fault goes into the next batch step (``prefill_error``: the next one that prefills a
+    row). A row fault (``sampler_error``, ``add_error``: KV memory exhausted at admission), like
+    a client fault, goes to the first request sent from then on that carries no fault (and is
+    not in the burst; for ``add_error``, not in the serial lane), and moves on to the next one
+    if its request ends without it firing (refused, or failed first by a step fault).
+    """
+
+    kind: EngineFaultKind
+    at_s: float
+    slow_s: float = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class FaultPlan:
     seed: int
     requests: tuple[RequestPlan, ...]
-    engine_faults: tuple[EngineFault, ...] = ()
+    engine_faults: tuple[TimedFault, ...] = ()
     shutdown_at_s: float | None = None
     config: RuntimeConfig = field(default_factory=RuntimeConfig)
+    client_faults: tuple[ClientFault, ...] = ()
 
     @property
     def planned(self) -> Counter[str]:
         counts: Counter[str] = Counter()
         counts.update(f.kind for f in self.engine_faults)
-        counts.update(r.client.kind for r in self.requests if r.client)
+        counts.update(f.kind for f in self.client_faults)
         counts["burst"] = sum(r.in_burst for r in self.requests)
         counts["shutdown"] = int(self.shutdown_at_s is not None)
         return +counts
@@ -136,6 +169,8 @@ class FaultPlan:
             shutdown_grace_s=0.5,
         )
         span = num_requests * step_s * 5  # about half of what the batch can serve
+        if "step_hang" in kinds:  # a hang stops the batch for a watchdog period or more
+            span = max(span, HANG_ROOM * config.step_timeout_s)
         requests = [
             RequestPlan(
                 number=i,
@@ -146,11 +181,12 @@ class FaultPlan:
             for i in range(num_requests)
         ]
         per_kind = max(1, num_requests // 400)
-        client_kinds = [k for k in kinds if k in CLIENT_KINDS]
-        for kind in client_kinds:
-            for i in rng.sample(range(num_requests), min(per_kind, num_requests)):
-                if requests[i].client is None:
-                    requests[i] = replace(requests[i], client=_client_fault(kind, rng, step_s))
+        clients = [
+            replace(_client_fault(kind, rng, step_s), at_s=_fault_time(rng, span))
+            for kind in kinds
+            if kind in CLIENT_KINDS
+            for _ in range(per_kind)
+        ]
         if "burst" in kinds:
             at = rng.uniform(0, span)
             # Twice the bound: over HTTP a burst takes a while to arrive; sessions end meanwhile.
@@ -160,28 +196,35 @@ class FaultPlan:
                 RequestPlan(number=base + j, start_s=at, max_tokens=8, in_burst=True)
                 for j in range(burst)
             ]
-        faults: list[EngineFault] = []
-        total_steps = int(span / step_s)
-        for kind in (k for k in kinds if k in ENGINE_KINDS):
-            for _ in range(per_kind):
-                victim = rng.randrange(num_requests)
-                match kind:
-                    case "sampler_error":  # at its first token: a model may stop at the next
-                        faults.append(RowFault("sampler_error", victim, at_token=0))
-                    case "prefill_error":
-                        faults.append(StepFault("prefill_error", request=victim))
-                    case "step_slow":
-                        faults.append(
-                            StepFault("step_slow", rng.randint(1, total_steps), slow_s=0.5)
-                        )
-                    case _:
-                        faults.append(StepFault(kind, rng.randint(1, total_steps)))  # type: ignore[arg-type]
-        if "kv_exhausted" in kinds:
-            faults.append(RowFault("add_error", rng.randrange(num_requests)))
+        faults = _engine_faults(rng, [k for k in kinds if k in ENGINE_KINDS], per_kind, span)
         shutdown = span * rng.uniform(0.9, 0.97) if "shutdown" in kinds else None
         return cls(
-            seed, tuple(sorted(requests, key=lambda r: r.start_s)), tuple(faults), shutdown, config
+            seed,
+            tuple(sorted(requests, key=lambda r: r.start_s)),
+            tuple(faults),
+            shutdown,
+            config,
+            tuple(clients),
         )
+
+
+def _fault_time(rng: random.Random, span: float) -> float:
+    """A time in the first 70% of the workload: well before a shutdown (at 90% or later), with
+    requests still arriving to carry the fault, or the next request if it did not take."""
+    return span * rng.uniform(0.02, 0.7)
+
+
+def _engine_faults(
+    rng: random.Random, kinds: list[str], per_kind: int, span: float
+) -> list[TimedFault]:
+    faults: list[TimedFault] = []
+    for kind in kinds:
+        for _ in range(per_kind):
+            slow_s = 0.5 if kind == "step_slow" else 0.0
+            faults.append(TimedFault(kind, _fault_time(rng, span), slow_s))  # type: ignore[arg-type]
+    if "kv_exhausted" in kinds:
+        faults.append(TimedFault("add_error", _fault_time(rng, span)))
+    return faults
 
 
 def _client_fault(kind: str, rng: random.Random, step_s: float) -> ClientFault:
@@ -205,6 +248,7 @@ class RequestResult:
     client never saw one. ``tokens``: None where the client cannot see token ids (over HTTP).
     ``unseen``: the client hung up on purpose before its outcome came, so it never learns it.
     ``truncated``: an HTTP stream ended without ``data: [DONE]`` although the client stayed.
+    ``acted``: the client acted out its fault (its request finished first, or was refused: no).
     """
 
     plan: RequestPlan
@@ -216,6 +260,17 @@ class RequestResult:
     tokens: list[int] | None = field(default_factory=list)
     unseen: bool = False
     truncated: bool = False
+    acted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HealthProbe:
+    """What the runtime said of its health, polled during the run, once the first injected
+    hang's watchdog had fired: its statistics and, over HTTP, /health's status code."""
+
+    stuck_steps: int
+    is_healthy: bool
+    health_status: int | None
 
 
 @dataclass
@@ -228,6 +283,17 @@ class RunResult:
     engine_rows: int
     client: str = "in-process"
     health_status: int | None = None  # GET /health's status code, over HTTP
+    hang_probe: HealthProbe | None = None
+
+    @property
+    def injected(self) -> Counter[str]:
+        """Per fault kind, how many were injected: engine faults that fired, client faults
+        acted out, burst requests sent, the shutdown."""
+        counts = Counter(self.injections)
+        counts.update(r.plan.client.kind for r in self.requests if r.plan.client and r.acted)
+        counts["burst"] = sum(r.plan.in_burst for r in self.requests)
+        counts["shutdown"] = int(self.plan.shutdown_at_s is not None)
+        return +counts
 
 
 class Client(Protocol):
@@ -248,16 +314,23 @@ class Client(Protocol):
 async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) -> RunResult:
     """Drive ``plan`` on ``inner`` wrapped with the plan's faults: through the in-process API,
     or (``http``) through real HTTP clients against the real server, in real time."""
-    engine = FaultyEngine(inner, plan.engine_faults)
+    engine = FaultyEngine(inner)
     results = {r.number: RequestResult(r) for r in plan.requests}
+    row_faults = [f for f in plan.engine_faults if f.kind in ROW_FAULT_KINDS]
+    carriers = _Carriers(engine, [*row_faults, *plan.client_faults])
+    step_faults = [f for f in plan.engine_faults if f.kind not in ROW_FAULT_KINDS]
+    probes: list[HealthProbe] = []
     connect = _over_http if http else _in_process
     async with connect(engine, plan.config) as client:
-        async with trio.open_nursery() as clients:
-            for request in plan.requests:
-                clients.start_soon(_start, client, request, results[request.number])
-            if plan.shutdown_at_s is not None:
-                await trio.sleep(plan.shutdown_at_s)
-                await client.shutdown()
+        async with trio.open_nursery() as injector:
+            injector.start_soon(_inject_step_faults, engine, step_faults, client, plan, probes)
+            async with trio.open_nursery() as clients:
+                for request in plan.requests:
+                    clients.start_soon(_start, client, request, results[request.number], carriers)
+                if plan.shutdown_at_s is not None:
+                    await trio.sleep(plan.shutdown_at_s)
+                    await client.shutdown()
+            injector.cancel_scope.cancel()  # faults due after the workload ended never come
         # Quiescence is checked while the runtime still runs: shutdown must not hide a leak.
         await trio.sleep(plan.config.step_timeout_s)
         stats, health = await client.observe()
@@ -276,12 +349,97 @@ async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) ->
         engine_rows,
         client.name,
         health,
+        probes[0] if probes else None,
     )
 
 
-async def _start(client: Client, plan: RequestPlan, result: RequestResult) -> None:
+async def _start(
+    client: Client, plan: RequestPlan, result: RequestResult, carriers: _Carriers
+) -> None:
     await trio.sleep(plan.start_s)
-    await client.drive(plan, result)
+    result.plan, fault = carriers.claim(plan)
+    await client.drive(result.plan, result)
+    if fault is not None:
+        carriers.settle(fault, result)
+
+
+RequestFault = TimedFault | ClientFault
+
+
+class _Carriers:
+    """The plan's row and client faults waiting for a request to carry them: the rule is in
+    :class:`TimedFault`'s docstring."""
+
+    def __init__(self, engine: FaultyEngine, faults: list[RequestFault]) -> None:
+        self._engine = engine
+        self._waiting = sorted(faults, key=_due)
+
+    def claim(self, request: RequestPlan) -> tuple[RequestPlan, RequestFault | None]:
+        """``request``, sent now, with the first fault due that it can carry, and that fault."""
+        if request.in_burst:
+            return request, None
+        for fault in self._waiting:
+            if fault.at_s > request.start_s:
+                break
+            if fault.kind == "add_error" and request.reproducible:
+                continue  # the serial lane adds no batch row
+            self._waiting.remove(fault)
+            if isinstance(fault, ClientFault):
+                return replace(request, client=fault), fault
+            # A sampler fault at the first token: a model may stop at the next.
+            self._engine.inject(RowFault(fault.kind, request.number, at_token=0))  # type: ignore[arg-type]
+            return request, fault
+        return request, None
+
+    def settle(self, fault: RequestFault, result: RequestResult) -> None:
+        """``result``'s request has ended: if its fault did not take, the next request gets it."""
+        number = result.plan.number
+        if isinstance(fault, ClientFault):
+            took = result.acted
+        else:
+            took = any(
+                i.kind == fault.kind and number in i.requests for i in self._engine.injections
+            )
+        if not took:
+            logger.info("%s did not take in request %d: moving it on", fault.kind, number)
+            bisect.insort(self._waiting, fault, key=_due)
+
+
+def _due(fault: RequestFault) -> float:
+    return fault.at_s
+
+
+async def _inject_step_faults(
+    engine: FaultyEngine,
+    faults: list[TimedFault],
+    client: Client,
+    plan: FaultPlan,
+    probes: list[HealthProbe],
+) -> None:
+    """Put each step fault into the next batch step when its time comes; after the first hang,
+    poll the runtime's health until its watchdog has fired. Cancelled when the workload ends."""
+    start = trio.current_time()
+    probing = False
+    async with trio.open_nursery() as nursery:
+        for fault in sorted(faults, key=lambda f: f.at_s):
+            await trio.sleep_until(start + fault.at_s)
+            step = engine.num_batch_steps + 1
+            engine.inject(StepFault(fault.kind, step, slow_s=fault.slow_s))  # type: ignore[arg-type]
+            if fault.kind == "step_hang" and not probing:
+                probing = True
+                nursery.start_soon(_probe_health, client, plan.config, probes)
+
+
+async def _probe_health(client: Client, config: RuntimeConfig, probes: list[HealthProbe]) -> None:
+    """Poll until a stuck step shows in the statistics (the hang starts at the next batch step
+    and lasts a watchdog period per step in its call); ``probes`` holds the latest answer."""
+    deadline = trio.current_time() + config.step_timeout_s * (MAX_STEPS_PER_CALL + 2)
+    while True:
+        stats, health = await client.observe()
+        probes[:] = [HealthProbe(stats.stuck_steps, stats.is_healthy, health)]
+        if stats.stuck_steps or trio.current_time() >= deadline:
+            return
+        await trio.sleep(config.step_timeout_s / 10)
 
 
 # -- in process ---------------------------------------------------------------------------
@@ -327,6 +485,7 @@ class InProcessClient:
             return
         tokens: list[int] = []
         result.tokens = tokens
+        result.acted = timeout is not None  # the deadline went with the request
         events = 0
         async with handle:
             async for event in handle:
@@ -339,6 +498,7 @@ class InProcessClient:
                     tokens.extend(event.token_ids)
                 if client is None or events <= client.after_events:
                     continue
+                result.acted = True
                 match client.kind:
                     case "slow_reader":
                         await trio.sleep(client.delay_s)
@@ -438,6 +598,7 @@ class HttpClient:
         try:
             async with self.http.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code == 200:
+                    result.acted = "timeout" in body  # the deadline went with the request
                     await self._read(response, plan.client, result)
                 else:
                     await self._refused(response, result)
@@ -471,6 +632,7 @@ class HttpClient:
                 events += 1
                 if fault is None or events <= fault.after_events:
                     continue
+                result.acted = True
                 match fault.kind:
                     case "slow_reader":
                         await trio.sleep(fault.delay_s)
@@ -570,11 +732,36 @@ def _counted(outcome: str) -> str:
 
 def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[Check]:
     """Every invariant, each with what it found."""
-    checks: list[Check] = []
-    shutdown = run.plan.shutdown_at_s is not None
-    admitted = [r for r in run.requests if r.refused is None]
-    unseen = [r for r in admitted if r.unseen]
+    return [
+        _every_planned_fault_injected(run),
+        _refusals_only_past_the_bound(run),
+        _exactly_one_outcome_each(run),
+        _outcome_kinds_match_the_faults(run),
+        _quiescent(run),
+        _untouched_match(run, reference),
+        _stuck_step_unhealthy(run),
+        _counters_agree(run),
+    ]
 
+
+def _admitted(run: RunResult) -> list[RequestResult]:
+    return [r for r in run.requests if r.refused is None]
+
+
+def _allowed(run: RunResult, result: RequestResult) -> set[str]:
+    touched = run.touched.get(result.plan.number, set())
+    return allowed_outcomes(result, touched, run.plan.shutdown_at_s is not None)
+
+
+def _every_planned_fault_injected(run: RunResult) -> Check:
+    planned, injected = run.plan.planned, run.injected
+    missing = sorted(kind for kind in planned if not injected[kind])
+    detail = f"never injected: {', '.join(missing)}" if missing else f"{len(planned)} kinds"
+    return Check("every planned fault kind injected", not missing, detail)
+
+
+def _refusals_only_past_the_bound(run: RunResult) -> Check:
+    shutdown = run.plan.shutdown_at_s is not None
     stray = [
         r.plan.number
         for r in run.requests
@@ -592,37 +779,40 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
     refused = f"{sum(bool(r.refused) for r in run.requests)} refused"
     if run.health_status is not None:
         refused += " (over HTTP a refusal cannot show whether the gate was full)"
-    checks.append(
-        Check(
-            "refusals only past the bound",
-            not stray and bound_held,
-            f"stray {stray[:5]}" if stray else refused,
-        )
+    return Check(
+        "refusals only past the bound",
+        not stray and bound_held,
+        f"stray {stray[:5]}" if stray else refused,
     )
 
+
+def _exactly_one_outcome_each(run: RunResult) -> Check:
+    admitted = _admitted(run)
     missing = [
         r.plan.number for r in admitted if not r.unseen and (r.outcome is None or r.truncated)
     ]
     doubled = [r.plan.number for r in admitted if r.outcomes_seen > 1]
-    checks.append(
-        Check(
-            "exactly one outcome each",
-            not missing and not doubled,
-            f"missing {missing[:5]} doubled {doubled[:5]}"
-            if missing or doubled
-            else f"{len(admitted)} admitted, {len(unseen)} unseen",
-        )
+    return Check(
+        "exactly one outcome each",
+        not missing and not doubled,
+        f"missing {missing[:5]} doubled {doubled[:5]}"
+        if missing or doubled
+        else f"{len(admitted)} admitted, {sum(r.unseen for r in admitted)} unseen",
     )
 
+
+def _outcome_kinds_match_the_faults(run: RunResult) -> Check:
     wrong = []
-    for r in admitted:
+    for r in _admitted(run):
         if r.outcome is None:
             continue
-        allowed = allowed_outcomes(r, run.touched.get(r.plan.number, set()), shutdown)
+        allowed = _allowed(run, r)
         if r.outcome not in allowed:
             wrong.append(f"req {r.plan.number}: {r.outcome} not in {sorted(allowed)}")
-    checks.append(Check("outcome kinds match the faults", not wrong, "; ".join(wrong[:3])))
+    return Check("outcome kinds match the faults", not wrong, "; ".join(wrong[:3]))
 
+
+def _quiescent(run: RunResult) -> Check:
     s = run.statistics
     leftovers = {
         "live": s.live_sessions,
@@ -634,17 +824,17 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
         "engine rows": run.engine_rows,
     }
     held = {k: v for k, v in leftovers.items() if v}
-    checks.append(
-        Check(
-            "quiescent: nothing held",
-            not held and s.lane_mode == "idle",
-            f"{held} lane={s.lane_mode}" if held or s.lane_mode != "idle" else "",
-        )
+    return Check(
+        "quiescent: nothing held",
+        not held and s.lane_mode == "idle",
+        f"{held} lane={s.lane_mode}" if held or s.lane_mode != "idle" else "",
     )
 
+
+def _untouched_match(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> Check:
     untouched = [
         r
-        for r in admitted
+        for r in _admitted(run)
         if r.plan.number not in run.touched
         and (r.plan.client is None or r.plan.client.kind == "slow_reader")
         and r.outcome is not None
@@ -656,29 +846,44 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
         same = r.tokens == expected.tokens if r.tokens is not None else r.text == expected.text
         if not same:
             diverged.append(r.plan.number)
-    checks.append(
-        Check(
-            "untouched requests match a fault-free run",
-            not diverged,
-            f"{len(untouched)} compared" + (f", diverged {diverged[:5]}" if diverged else ""),
-        )
+    return Check(
+        "untouched requests match a fault-free run",
+        not diverged,
+        f"{len(untouched)} compared" + (f", diverged {diverged[:5]}" if diverged else ""),
     )
 
-    hangs = run.injections["step_hang"]
+
+def _stuck_step_unhealthy(run: RunResult) -> Check:
+    """After a hang: unhealthy during the run (over HTTP /health says 503), and still at the
+    end, with one stuck step counted for each hang."""
+    s, probe, hangs = run.statistics, run.hang_probe, run.injections["step_hang"]
+    seen_unhealthy = (
+        probe is not None and not probe.is_healthy and probe.health_status in (None, 503)
+    )
     hung_ok = (not hangs) or (
-        not s.is_healthy and s.stuck_steps == hangs and run.health_status in (None, 503)
+        seen_unhealthy
+        and not s.is_healthy
+        and s.stuck_steps == hangs
+        and run.health_status in (None, 503)
     )
+    during = "not probed" if probe is None else f"healthy={probe.is_healthy}"
+    if probe is not None and probe.health_status is not None:
+        during += f" /health={probe.health_status}"
     health = "" if run.health_status is None else f" /health={run.health_status}"
-    checks.append(
-        Check(
-            "a stuck step makes the runtime unhealthy",
-            hung_ok,
-            f"hangs={hangs} stuck_steps={s.stuck_steps} healthy={s.is_healthy}{health}",
-        )
+    return Check(
+        "a stuck step makes the runtime unhealthy",
+        hung_ok,
+        f"hangs={hangs}; during the run: {during}; "
+        f"at the end: stuck_steps={s.stuck_steps} healthy={s.is_healthy}{health}",
     )
 
-    # What the runtime counted against what the clients saw: every outcome seen was counted,
-    # and the rest are exactly the outcomes of the clients that hung up before seeing theirs.
+
+def _counters_agree(run: RunResult) -> Check:
+    """What the runtime counted against what the clients saw: every outcome seen was counted,
+    and the rest are exactly the outcomes of the clients that hung up before seeing theirs."""
+    s = run.statistics
+    admitted = _admitted(run)
+    unseen = [r for r in admitted if r.unseen]
     counted = Counter({"completed": s.completed})
     counted.update({f"cancelled:{reason}": n for reason, n in s.cancelled.items()})
     counted.update({f"failed:{code}": n for code, n in s.failed.items()})
@@ -689,10 +894,7 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
     residual = counted - seen
     if residual.total() != len(unseen):
         mismatches.append(f"{residual.total()} outcomes not seen, {len(unseen)} unseen requests")
-    possible = [
-        {_counted(o) for o in allowed_outcomes(r, run.touched.get(r.plan.number, set()), shutdown)}
-        for r in unseen
-    ]
+    possible = [{_counted(o) for o in _allowed(run, r)} for r in unseen]
     mismatches += [
         f"{kind} x{n} counted, unseen, allowed for none"
         for kind, n in residual.items()
@@ -706,10 +908,9 @@ def check(run: RunResult, reference: Callable[[RequestPlan], Expected]) -> list[
     )
     if step_faults != s.engine_faults:
         mismatches.append(f"engine_faults stats={s.engine_faults} injected={step_faults}")
-    checks.append(
-        Check("counters agree with outcomes and injections", not mismatches, "; ".join(mismatches))
+    return Check(
+        "counters agree with outcomes and injections", not mismatches, "; ".join(mismatches)
     )
-    return checks
 
 
 # -- the report ---------------------------------------------------------------------------
@@ -732,10 +933,7 @@ class ChaosReport:
             "| fault | planned | injected |",
             "| --- | --- | --- |",
         ]
-        injected = Counter(run.injections)
-        injected.update(r.plan.client.kind for r in run.requests if r.plan.client)
-        injected["burst"] = sum(r.plan.in_burst for r in run.requests)
-        injected["shutdown"] = int(plan.shutdown_at_s is not None)
+        injected = run.injected
         for kind in sorted(set(plan.planned) | {k for k, v in injected.items() if v}):
             lines.append(f"| {kind} | {plan.planned[kind]} | {injected[kind]} |")
         outcomes = Counter(r.outcome for r in run.requests if r.outcome is not None)
@@ -781,8 +979,8 @@ async def run_on_model(
         # Every request, burst included (a queue long enough that none is refused), no fault.
         calm = replace(
             plan,
-            requests=tuple(replace(r, client=None) for r in plan.requests),
             engine_faults=(),
+            client_faults=(),
             shutdown_at_s=None,
             config=replace(plan.config, max_queued=len(plan.requests)),
         )

@@ -8,7 +8,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import pytest
@@ -53,6 +53,41 @@ def test_all_fault_kinds_at_once_keep_every_invariant(seed):
     report = run_virtual(FaultPlan.generate(100 + seed, 300, FAULT_KINDS))
     assert report.ok, report.table()
     assert report.run.injections, "the plan injected nothing"
+
+
+STEP_KINDS = ("step_error", "prefill_error", "step_hang", "step_slow", "kv_exhausted")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_planned_fault_is_injected_and_the_table_shows_planned_against_injected(seed):
+    # At 2,000 requests the step faults used to be planned by step number, up to five times
+    # as many steps as the run makes: most of them never came.
+    report = run_virtual(FaultPlan.generate(seed, 2000, FAULT_KINDS))
+    planned, injected = report.run.plan.planned, report.run.injected
+    assert report.ok, report.table()
+    assert set(planned) == set(FAULT_KINDS) | {"add_error"}
+    assert all(injected[kind] >= 1 for kind in planned), report.table()
+    assert {kind: injected[kind] for kind in STEP_KINDS} == {k: planned[k] for k in STEP_KINDS}
+    table = report.table()
+    assert "| fault | planned | injected |" in table
+    for kind in planned:
+        assert f"| {kind} | {planned[kind]} | {injected[kind]} |" in table
+    assert "| every planned fault kind injected | yes | 15 kinds |" in table
+
+
+def test_a_fault_that_cannot_be_injected_fails_the_run():
+    # Every request in the serial lane: no batch step for kv_exhausted, no batch row to refuse.
+    plan = FaultPlan.generate(3, 40, ("kv_exhausted", "sampler_error"))
+    plan = replace(plan, requests=tuple(replace(r, reproducible=True) for r in plan.requests))
+    report = run_virtual(plan)
+    assert [c.name for c in report.checks if not c.ok] == ["every planned fault kind injected"]
+    assert report.run.injected["sampler_error"] == 1  # the serial lane samples too
+    table = report.table()
+    assert "| kv_exhausted | 1 | 0 |" in table and "| add_error | 1 | 0 |" in table
+    assert (
+        "| every planned fault kind injected | NO | never injected: add_error, kv_exhausted |"
+        in table
+    )
 
 
 class LeakyEngine(ScriptedEngine):
@@ -117,9 +152,11 @@ def test_every_client_fault_over_http_keeps_every_invariant(seed):
 def test_engine_faults_over_http_keep_every_invariant(seed):
     report = run_http(FaultPlan.generate(seed, 40, ENGINE_FAULTS))
     assert report.ok, report.table()
-    assert report.run.injections, "the plan injected nothing"
-    if report.run.injections["step_hang"]:
-        assert report.run.health_status == 503
+    assert report.run.injected == report.run.plan.planned, report.table()
+    # The hang was injected, and /health said 503 while the run went on.
+    probe = report.run.hang_probe
+    assert probe is not None and probe.stuck_steps == 1 and probe.health_status == 503
+    assert report.run.health_status == 503
 
 
 def test_shutdown_and_a_burst_over_http_keep_every_invariant():
