@@ -68,6 +68,14 @@ class _Sampling(_Body):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def _choice_seed(self, choice: int) -> int | None:
+        """Choice i draws from ``seed + i``, wrapping past the largest seed so that any valid
+        seed serves any ``n`` (an invalid one stays invalid for ``SamplingParams`` to refuse)."""
+        if self.seed is None:
+            return None
+        seed = self.seed + choice
+        return seed - (MAX_SEED + 1) if seed > MAX_SEED >= self.seed else seed
+
     def _logit_bias(self) -> dict[int, float]:
         bias = {}
         for key, value in (self.logit_bias or {}).items():
@@ -114,9 +122,7 @@ class _Sampling(_Body):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(),
-            # Choice i draws from seed + i (wrapping past the largest seed, so any valid seed
-            # serves any n).
-            seed=None if self.seed is None else (self.seed + seed_offset) % (MAX_SEED + 1),
+            seed=self._choice_seed(seed_offset),
             stop=self._stops(),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
