@@ -74,6 +74,7 @@ CLIENT_KINDS = (
 )
 RUN_KINDS = ("shutdown", "burst")
 FAULT_KINDS = ENGINE_KINDS + CLIENT_KINDS + RUN_KINDS
+SAMPLED_TEMPERATURE = 0.8
 # A plan with a hang lasts at least this many step watchdog periods: shorter, and a small plan
 # is mostly hang, and the requests meant to carry the other faults are refused behind it.
 HANG_ROOM = 15
@@ -97,12 +98,21 @@ class ClientFault:
 
 @dataclass(frozen=True, slots=True)
 class RequestPlan:
+    """One request of the workload. ``reproducible`` ones take the serial lane; ``sampled`` ones
+    draw at ``SAMPLED_TEMPERATURE`` with no seed: their tokens are compared with nothing, but a
+    fault that broke shared sampling state (one row's failed sampler, say) fails them."""
+
     number: int
     start_s: float
     max_tokens: int
     reproducible: bool = False
     client: ClientFault | None = None
     in_burst: bool = False
+    sampled: bool = False
+
+    @property
+    def temperature(self) -> float:
+        return SAMPLED_TEMPERATURE if self.sampled else 0.0
 
     @property
     def prompt(self) -> str:
@@ -180,6 +190,9 @@ class FaultPlan:
             )
             for i in range(num_requests)
         ]
+        # Every fifth batched request samples (chosen by number: the plan's draws stay as
+        # they were for a seed).
+        requests = [replace(r, sampled=not r.reproducible and r.number % 5 == 2) for r in requests]
         per_kind = max(1, num_requests // 400)
         clients = [
             replace(_client_fault(kind, rng, step_s), at_s=_fault_time(rng, span))
@@ -468,7 +481,7 @@ class InProcessClient:
         timeout = client.delay_s if client and client.kind == "deadline" else None
         request = GenerationRequest(
             plan.prompt,
-            SamplingParams(temperature=0, max_tokens=plan.max_tokens),
+            SamplingParams(temperature=plan.temperature, max_tokens=plan.max_tokens),
             reproducible=plan.reproducible,
             timeout_s=timeout,
             request_id=f"req-{plan.number}",
@@ -590,7 +603,7 @@ class HttpClient:
             "model": self.state.model_id,
             "prompt": plan.prompt,
             "max_tokens": plan.max_tokens,
-            "temperature": 0,
+            "temperature": plan.temperature,
             "stream": True,
         }
         if plan.client is not None and plan.client.kind == "deadline":
@@ -836,6 +849,7 @@ def _untouched_match(run: RunResult, reference: Callable[[RequestPlan], Expected
         r
         for r in _admitted(run)
         if r.plan.number not in run.touched
+        and not r.plan.sampled
         and (r.plan.client is None or r.plan.client.kind == "slow_reader")
         and r.outcome is not None
         and r.outcome.startswith("completed:")

@@ -359,6 +359,14 @@ def test_a_short_chaos_run_on_the_default_model():
     )
     report = trio.run(run_on_model, plan, None)
     assert report.ok, report.table()
+    # Sampled requests ran beside the failing sampler: shared sampling state survived it.
+    run = report.run
+    sampled = [
+        r
+        for r in run.requests
+        if r.plan.sampled and r.refused is None and r.plan.number not in run.touched
+    ]
+    assert sampled and all((r.outcome or "").startswith("completed:") for r in sampled)
 
 
 @pytest.mark.e2e
