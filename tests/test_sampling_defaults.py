@@ -1,0 +1,80 @@
+"""Sampling defaults: a model's generation_config.json, serve's flags, and what a request omits.
+
+Unit tests of the parsing and the precedence, then the in-process runtime and the HTTP server
+on the scripted engine, recording the params each request reaches the engine with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+
+import pytest
+
+from mlx_trio.engine.errors import InvalidRequestError
+from mlx_trio.engine.sampling_defaults import SamplingDefaults, built_in, describe
+
+MODEL = SamplingDefaults(temperature=0.2, top_p=0.9, top_k=40, max_tokens=3)
+FLAGS = SamplingDefaults(top_p=0.5, min_p=0.1, max_tokens=4)
+
+
+# -- generation_config.json ---------------------------------------------------------------
+
+
+def test_the_hugging_face_keys_become_defaults():
+    config = {
+        "bos_token_id": 1,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "min_p": 0.05,
+        "repetition_penalty": 1.05,
+        "max_new_tokens": 100,
+    }
+    assert SamplingDefaults.from_generation_config(config) == SamplingDefaults(
+        temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, repetition_penalty=1.05, max_tokens=100
+    )
+
+
+@pytest.mark.parametrize(("do_sample", "temperature"), [(False, 0.0), (True, 0.7), (None, 0.7)])
+def test_do_sample_false_means_greedy(do_sample, temperature):
+    config = {"temperature": 0.7} | ({} if do_sample is None else {"do_sample": do_sample})
+    assert SamplingDefaults.from_generation_config(config).temperature == temperature
+
+
+def test_values_out_of_range_are_left_out_and_logged(caplog):
+    config = {"temperature": 5, "top_p": 0.9, "top_k": "many", "max_new_tokens": 0}
+    with caplog.at_level(logging.WARNING):
+        assert SamplingDefaults.from_generation_config(config) == SamplingDefaults(top_p=0.9)
+    assert "ignoring temperature=5 (temperature must be in [0, 2], got 5)" in caplog.text
+    assert "ignoring top_k='many'" in caplog.text
+    assert "ignoring max_new_tokens=0" in caplog.text
+
+
+def test_a_model_directory_without_a_usable_file_has_no_defaults(tmp_path):
+    assert SamplingDefaults.read(tmp_path) == SamplingDefaults()
+    path = tmp_path / "generation_config.json"
+    for text in ("{not json", "[0.2]"):
+        path.write_text(text)
+        assert SamplingDefaults.read(tmp_path) == SamplingDefaults()
+    path.write_text(json.dumps({"temperature": 0.2, "eos_token_id": [2]}))
+    assert SamplingDefaults.read(tmp_path) == SamplingDefaults(temperature=0.2)
+
+
+def test_a_flag_out_of_range_is_refused_naming_it():
+    with pytest.raises(InvalidRequestError, match=r"^top_p must be in \(0, 1\], got 0$") as info:
+        SamplingDefaults(top_p=0)
+    assert info.value.param == "top_p"
+
+
+def test_defaults_pickle_for_the_engine_process():
+    assert pickle.loads(pickle.dumps(MODEL)) == MODEL
+
+
+def test_the_log_line_names_where_each_value_comes_from():
+    layers = [("flag", FLAGS), ("model", MODEL), ("built-in", built_in(max_tokens=512))]
+    assert describe(layers) == (
+        "temperature=0.2 (model) top_p=0.5 (flag) top_k=40 (model) min_p=0.1 (flag) "
+        "repetition_penalty=1 (built-in) max_tokens=4 (flag)"
+    )
