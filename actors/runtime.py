@@ -172,7 +172,10 @@ class Runtime:
     async def _submit(
         self, request: GenerationRequest
     ) -> tuple[Session, trio.MemoryReceiveChannel[Event]]:
-        prepared = await self.engine.prepare(request.prompt, request.params)
+        params = request.params
+        if params is None:
+            params = self.engine.sampling_defaults.params()
+        prepared = await self.engine.prepare(request.prompt, params)
         lane = self.place(request, self.engine.unbatchable_reason(prepared))
         reply_send, reply_recv = trio.open_memory_channel[gate.Reply](2)
         try:

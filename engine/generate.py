@@ -23,6 +23,7 @@ from mlx_trio.engine.prompt import Prompt, check_fits, encode_prompt
 from mlx_trio.engine.prompt_cache import PromptCache, default_budget_bytes
 from mlx_trio.engine.row import RowDecoder
 from mlx_trio.engine.sampling import make_row_processors, make_row_sampler
+from mlx_trio.engine.sampling_defaults import SamplingDefaults
 from mlx_trio.engine.text import byte_level_table
 
 ProgressCallback = Callable[[int, int], None]
@@ -148,6 +149,11 @@ class Engine:
     @property
     def context_length(self) -> int:
         return self.loaded.context_length
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's own defaults (its ``generation_config.json``)."""
+        return self.loaded.sampling_defaults
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Tokenize and check a request; raises :class:`InvalidRequestError` subclasses."""

@@ -12,11 +12,39 @@ import pickle
 
 import pytest
 
+from mlx_trio.actors.messages import GenerationRequest
+from mlx_trio.actors.scripted import ScriptedEngine
+from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.errors import InvalidRequestError
+from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.prompt import Prompt
 from mlx_trio.engine.sampling_defaults import SamplingDefaults, built_in, describe
 
 MODEL = SamplingDefaults(temperature=0.2, top_p=0.9, top_k=40, max_tokens=3)
 FLAGS = SamplingDefaults(top_p=0.5, min_p=0.1, max_tokens=4)
+
+
+class RecordingEngine(ScriptedEngine):
+    """The scripted engine, keeping the params of every request it prepares."""
+
+    def __init__(self, sampling_defaults: SamplingDefaults) -> None:
+        super().__init__(sampling_defaults=sampling_defaults)
+        self.params: list[SamplingParams] = []
+
+    async def prepare(self, prompt: Prompt, params: SamplingParams):
+        self.params.append(params)
+        return await super().prepare(prompt, params)
+
+
+def knobs(params: SamplingParams) -> tuple:
+    return (
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.min_p,
+        params.repetition_penalty,
+        params.max_tokens,
+    )
 
 
 # -- generation_config.json ---------------------------------------------------------------
@@ -78,3 +106,18 @@ def test_the_log_line_names_where_each_value_comes_from():
         "temperature=0.2 (model) top_p=0.5 (flag) top_k=40 (model) min_p=0.1 (flag) "
         "repetition_penalty=1 (built-in) max_tokens=4 (flag)"
     )
+
+
+# -- the in-process runtime ---------------------------------------------------------------
+
+
+async def test_a_request_without_params_samples_with_the_models_defaults(autojump_clock):
+    engine = RecordingEngine(MODEL)
+    async with open_runtime(engine=engine) as rt:
+        assert rt.sampling_defaults == MODEL
+        collected = await rt.collect(GenerationRequest("hello"))
+        explicit = await rt.collect(GenerationRequest("hello", SamplingParams(max_tokens=5)))
+    assert collected.outcome.usage.completion_tokens == 3
+    assert knobs(engine.params[0]) == (0.2, 0.9, 40, 0.0, 1.0, 3)
+    assert explicit.outcome.usage.completion_tokens == 5
+    assert knobs(engine.params[1]) == (1.0, 1.0, 0, 0.0, 1.0, 5)
