@@ -13,8 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class _Body(BaseModel):
@@ -77,17 +79,22 @@ class _Sampling(_Body):
         return bias
 
     def sampling_params(
-        self, *, max_tokens: int, logprobs: bool, top_logprobs: int, seed_offset: int = 0
+        self,
+        *,
+        max_tokens: int,
+        logprobs: bool,
+        top_logprobs: int,
+        seed_offset: int = 0,
+        defaults: SamplingDefaults = NO_DEFAULTS,
     ) -> SamplingParams:
-        return SamplingParams(
+        """The request's values; ``defaults`` (then OpenAI's) for the sampling fields omitted."""
+        return defaults.params(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=(
-                1.0 if self.repetition_penalty is None else self.repetition_penalty
-            ),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(),
@@ -113,14 +120,21 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidRequestError("messages must not be empty", param="messages")
         return tuple(ChatMessage(m.role, m.text()) for m in self.messages)
 
-    def params(self, *, default_max_tokens: int, seed_offset: int = 0) -> SamplingParams:
-        limits = (self.max_completion_tokens, self.max_tokens)
+    def params(
+        self,
+        *,
+        default_max_tokens: int,
+        seed_offset: int = 0,
+        defaults: SamplingDefaults = NO_DEFAULTS,
+    ) -> SamplingParams:
+        limits = (self.max_completion_tokens, self.max_tokens, defaults.max_tokens)
         max_tokens = next((v for v in limits if v is not None), default_max_tokens)
         return self.sampling_params(
             max_tokens=max_tokens,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
             seed_offset=seed_offset,
+            defaults=defaults,
         )
 
 
@@ -137,10 +151,18 @@ class CompletionRequest(_Sampling):
             raise InvalidRequestError("echo is not supported", param="echo")
         return prompts
 
-    def params(self, *, default_max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+    def params(
+        self,
+        *,
+        default_max_tokens: int,
+        seed_offset: int = 0,
+        defaults: SamplingDefaults = NO_DEFAULTS,
+    ) -> SamplingParams:
+        limits = (self.max_tokens, defaults.max_tokens)
         return self.sampling_params(
-            max_tokens=16 if self.max_tokens is None else self.max_tokens,
+            max_tokens=next((v for v in limits if v is not None), COMPLETIONS_MAX_TOKENS),
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
             seed_offset=seed_offset,
+            defaults=defaults,
         )
