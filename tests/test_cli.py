@@ -61,4 +61,4 @@ def test_greedy_capital_of_france_is_paris():
     result = mlx_trio("generate", "What is the capital of France?", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
-    assert "sampling defaults: temperature=0 (flag) top_p=1 (built-in)" in result.stderr
+    assert "sampling defaults: temperature=0 (flag) top_p=0.9 (model)" in result.stderr
