@@ -20,6 +20,7 @@ from mlx_trio.actors.port import EnginePort
 from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
+from mlx_trio.engine.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ class FaultyEngine:
     @property
     def model_id(self) -> str:
         return self.inner.model_id
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self.inner.sampling_defaults
 
     @property
     def kv_bytes(self) -> int:

@@ -7,7 +7,7 @@ Frozen values with no MLX in them. A session publishes any number of :class:`Tex
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from mlx_trio.engine.outputs import FinishReason, TokenLogprob
@@ -34,12 +34,14 @@ class GenerationRequest:
     """What to generate.
 
     ``prompt`` is plain text (a completion) or chat messages (the chat template applies).
-    ``reproducible`` asks for the serial lane: the same output as a solo run, bit for bit.
+    ``params`` None takes the model's sampling defaults (its ``generation_config.json``, then
+    OpenAI's values; see ``mlx_trio.engine.sampling_defaults``). ``reproducible`` asks for the
+    serial lane: the same output as a solo run, bit for bit.
     ``timeout_s`` is one deadline over queueing, prefill and decode.
     """
 
     prompt: str | tuple[ChatMessage, ...]
-    params: SamplingParams = field(default_factory=SamplingParams)
+    params: SamplingParams | None = None
     reproducible: bool = False
     timeout_s: float | None = None
     request_id: str | None = None

@@ -16,11 +16,17 @@ from typing import Protocol
 from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
+from mlx_trio.engine.sampling_defaults import SamplingDefaults
 
 
 class EnginePort(Protocol):
     @property
     def model_id(self) -> str: ...
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's defaults for what a request omits (its ``generation_config.json``)."""
+        ...
 
     @property
     def kv_bytes(self) -> int:

@@ -178,7 +178,7 @@ class Runtime:
             raise RuntimeClosedError("the runtime is shutting down and admits no new requests")
         self._submitting += len(requests)
         try:
-            prepared = [await self.engine.prepare(r.prompt, r.params) for r in requests]
+            prepared = [await self._prepare(r) for r in requests]
             admissions = await self._admit_all(len(requests))
             return [
                 self._start(request, ready, admission)
@@ -186,6 +186,13 @@ class Runtime:
             ]
         finally:
             self._submitting -= len(requests)
+
+    async def _prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Tokenize and check; a request without params takes the model's defaults."""
+        params = request.params
+        if params is None:
+            params = self.engine.sampling_defaults.params()
+        return await self.engine.prepare(request.prompt, params)
 
     async def _admit_all(self, count: int) -> list[trio.MemoryReceiveChannel[gate.Reply]]:
         """``count`` admissions from the gate, each a channel holding its permit or to receive

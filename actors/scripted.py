@@ -30,6 +30,7 @@ from mlx_trio.engine.outputs import (
 )
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt, check_fits, check_messages
+from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from mlx_trio.engine.text import StopStringMatcher
 
 VOCAB_SIZE = 1000
@@ -97,9 +98,16 @@ class _Row:
 class ScriptedEngine:
     """An :class:`EnginePort` that needs no model."""
 
-    def __init__(self, script: Script | None = None, *, model_id: str = "scripted") -> None:
+    def __init__(
+        self,
+        script: Script | None = None,
+        *,
+        model_id: str = "scripted",
+        sampling_defaults: SamplingDefaults = NO_DEFAULTS,
+    ) -> None:
         self.script = script or Script()
         self._model_id = model_id
+        self._sampling_defaults = sampling_defaults
         self._rows: dict[int, _Row] = {}
         self._serial: _Row | None = None
         self._next_row = 0
@@ -116,6 +124,10 @@ class ScriptedEngine:
     @property
     def model_id(self) -> str:
         return self._model_id
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self._sampling_defaults
 
     @property
     def kv_bytes(self) -> int:

@@ -49,7 +49,6 @@ from mlx_trio.api.inprocess import RuntimeHandle, open_runtime
 from mlx_trio.api.server import ServeOptions, serve
 from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
 from mlx_trio.engine.outputs import PromptCacheStatistics
-from mlx_trio.engine.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -481,7 +480,11 @@ class InProcessClient:
         timeout = client.delay_s if client and client.kind == "deadline" else None
         request = GenerationRequest(
             plan.prompt,
-            SamplingParams(temperature=plan.temperature, max_tokens=plan.max_tokens),
+            # The model's defaults for the rest, as the HTTP server gives a body that omits
+            # them.
+            self.rt.sampling_defaults.params(
+                temperature=plan.temperature, max_tokens=plan.max_tokens
+            ),
             reproducible=plan.reproducible,
             timeout_s=timeout,
             request_id=f"req-{plan.number}",

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from mlx_trio.engine.errors import MlxTrioError
 from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
 
 logger = logging.getLogger("mlx_trio.cli")
 
@@ -23,16 +24,37 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"mlx-trio: error: {message}\n")
 
 
+def _add_default_flags(
+    group: argparse._ArgumentGroup, *max_tokens_aliases: str, max_tokens: str
+) -> None:
+    """The flags over the model's ``generation_config.json``; one not given takes the model's
+    value, else OpenAI's (for ``--max-tokens``: ``max_tokens``)."""
+    model = "default: the model's generation_config.json, else"
+    group.add_argument(
+        "--max-tokens", *max_tokens_aliases, type=int, default=None, help=f"{model} {max_tokens}"
+    )
+    group.add_argument("--temperature", type=float, default=None, help=f"{model} 1; 0: greedy")
+    group.add_argument("--top-p", type=float, default=None, help=f"{model} 1")
+    group.add_argument("--top-k", type=int, default=None, help=f"{model} 0 (off)")
+    group.add_argument("--min-p", type=float, default=None, help=f"{model} 0 (off)")
+    group.add_argument("--repetition-penalty", type=float, default=None, help=f"{model} 1 (off)")
+
+
+def _flag_defaults(args: argparse.Namespace) -> SamplingDefaults:
+    """The sampling defaults given as flags (checked: ``InvalidRequestError``)."""
+    return SamplingDefaults(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens,
+    )
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=256)
-    group.add_argument(
-        "--temperature", type=float, default=0.0, help="0 (the default) decodes greedily"
-    )
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    _add_default_flags(group, max_tokens="256")
     group.add_argument("--presence-penalty", type=float, default=0.0)
     group.add_argument("--frequency-penalty", type=float, default=0.0)
     group.add_argument(
@@ -43,20 +65,15 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop-token-id", type=int, action="append", default=[])
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def _sampling_params(args: argparse.Namespace, defaults: SamplingDefaults) -> SamplingParams:
+    """The flags' params, ``defaults`` for the sampling flags not given."""
     if not isinstance(args.logit_bias, dict):
         raise MlxTrioError("--logit-bias must be a JSON object of token id to bias")
     try:
         logit_bias = {int(k): float(v) for k, v in args.logit_bias.items()}
     except (TypeError, ValueError) as exc:
         raise MlxTrioError(f"--logit-bias: {exc}") from None
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
+    return defaults.params(
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         logit_bias=logit_bias,
@@ -118,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' (default: $MLX_TRIO_API_KEY)",
     )
     serve.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024)
-    serve.add_argument("--default-max-tokens", type=int, default=512)
+    _add_default_flags(
+        serve.add_argument_group("sampling defaults, for what a request omits"),
+        "--default-max-tokens",
+        max_tokens="512 (chat), 16 (completions)",
+    )
     serve.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
     serve.add_argument(
         "--idle-timeout", type=float, default=30.0, help="seconds a reader may stall"
@@ -168,8 +189,16 @@ def _generate(args: argparse.Namespace) -> int:
     from mlx_trio.engine.generate import Engine
     from mlx_trio.engine.prompt import ChatMessage
 
-    params = _sampling_params(args)
+    flags = _flag_defaults(args)
+    _sampling_params(args, flags)  # a bad flag is refused before the model loads
     engine = Engine.load(args.model, device=args.device)
+    layers: list[tuple[Source, SamplingDefaults]] = [
+        ("flag", flags),
+        ("model", engine.sampling_defaults),
+        ("built-in", built_in()),
+    ]
+    logger.info("sampling defaults: %s", describe(layers))
+    params = _sampling_params(args, flags.over(engine.sampling_defaults))
     if args.raw:
         prompt: str | list[ChatMessage] = args.prompt
     else:
@@ -227,7 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
             max_n=args.max_n,
-            default_max_tokens=args.default_max_tokens,
+            sampling=_flag_defaults(args),
             request_timeout_s=args.request_timeout,
         ),
     )

@@ -55,6 +55,13 @@ from mlx_trio.engine.errors import (
 )
 from mlx_trio.engine.outputs import TokenLogprob
 from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.sampling_defaults import (
+    NO_DEFAULTS,
+    SamplingDefaults,
+    Source,
+    applied,
+    built_in,
+)
 
 logger = logging.getLogger("mlx_trio.http")
 
@@ -77,6 +84,7 @@ class HttpSettings:
     max_body_bytes: int = 2 * 1024 * 1024
     max_n: int = 8
     default_max_tokens: int = 512
+    sampling: SamplingDefaults = NO_DEFAULTS  # serve's flags: over the model's defaults
     request_timeout_s: float | None = None
     body_timeout_s: float = 30.0
 
@@ -116,6 +124,14 @@ class AppState:
 
     def statistics(self) -> RuntimeStatistics | None:
         return self.runtime.statistics() if self.runtime else None
+
+    def sampling_layers(self, rt: RuntimeHandle) -> list[tuple[Source, SamplingDefaults]]:
+        """What a request's omitted sampling fields get, highest precedence first."""
+        return [
+            ("flag", self.settings.sampling),
+            ("model", rt.sampling_defaults),
+            ("built-in", built_in(max_tokens=self.settings.default_max_tokens)),
+        ]
 
 
 # -- request parsing ---------------------------------------------------------------------
@@ -279,7 +295,11 @@ class Api:
             generations = [
                 GenerationRequest(
                     prompt,
-                    body.params(default_max_tokens=self.settings.default_max_tokens, seed_offset=i),
+                    body.params(
+                        default_max_tokens=self.settings.default_max_tokens,
+                        seed_offset=i,
+                        defaults=self.settings.sampling.over(rt.sampling_defaults),
+                    ),
                     timeout_s=timeout,
                     request_id=f"{request_id}/{p * body.n + i}",
                 )
@@ -410,11 +430,20 @@ class Api:
 
     async def models(self, request: Request) -> Response:
         ids = [self.state.model_id] if self.state.model_id else []
+        rt = self.state.runtime
+        defaults = applied(self.state.sampling_layers(rt)) if rt is not None else {}
+        extra = {
+            "sampling_defaults": {
+                name: {"value": value, "source": source}
+                for name, (value, source) in defaults.items()
+            }
+        }
         return JSONResponse(
             {
                 "object": "list",
                 "data": [
-                    {"id": i, "object": "model", "created": 0, "owned_by": "mlx-trio"} for i in ids
+                    {"id": i, "object": "model", "created": 0, "owned_by": "mlx-trio", **extra}
+                    for i in ids
                 ],
             }
         )

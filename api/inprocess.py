@@ -6,9 +6,11 @@
             ...                                                  # one outcome
         outcome = await handle.result()
 
-``submit`` raises ``InvalidRequestError`` for a bad request and ``OverloadedError`` when
-admission is full, before anything is admitted. ``collect`` returns the whole text and the
-outcome; ``submit_with_callback`` calls a function for every event.
+A request without ``params`` samples with the model's defaults (``rt.sampling_defaults``: its
+``generation_config.json``, then OpenAI's values); ``rt.sampling_defaults.params(seed=1)``
+builds params over them. ``submit`` raises ``InvalidRequestError`` for a bad request and
+``OverloadedError`` when admission is full, before anything is admitted. ``collect`` returns
+the whole text and the outcome; ``submit_with_callback`` calls a function for every event.
 
 A program that serves from here for long should call :func:`freeze_startup_heap` once the
 runtime is up, as ``mlx-trio serve`` does.
@@ -37,6 +39,7 @@ from mlx_trio.actors.messages import (
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.actors.runtime import Runtime, RuntimeConfig, RuntimeStatistics, open_runtime_actors
 from mlx_trio.actors.session import Session
+from mlx_trio.engine.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,12 @@ class RuntimeHandle:
     @property
     def model_id(self) -> str:
         return self._runtime.engine.model_id
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """What a request whose ``params`` is None gets, over OpenAI's values: the model's
+        ``generation_config.json``."""
+        return self._runtime.engine.sampling_defaults
 
     @property
     def runtime(self) -> Runtime:

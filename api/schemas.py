@@ -16,8 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.params import MAX_SEED, SamplingParams
 from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class _Body(BaseModel):
@@ -95,11 +97,13 @@ class _Sampling(_Body):
         top_logprobs: int,
         seed_offset: int = 0,
         sent_as: Mapping[str, str] | None = None,
+        defaults: SamplingDefaults = NO_DEFAULTS,
     ) -> SamplingParams:
-        """``sent_as``: the body's name for a ``SamplingParams`` field where it differs, so that
+        """The request's values; ``defaults`` (then OpenAI's) for the sampling fields omitted.
+        ``sent_as``: the body's name for a ``SamplingParams`` field where it differs, so that
         an error names what the client sent."""
         try:
-            return self._sampling_params(max_tokens, logprobs, top_logprobs, seed_offset)
+            return self._sampling_params(max_tokens, logprobs, top_logprobs, seed_offset, defaults)
         except InvalidRequestError as exc:
             name = (sent_as or {}).get(exc.param or "")
             if name is None or exc.param is None:
@@ -108,17 +112,20 @@ class _Sampling(_Body):
             raise InvalidRequestError(message, param=name, code=exc.code) from None
 
     def _sampling_params(
-        self, max_tokens: int, logprobs: bool, top_logprobs: int, seed_offset: int
+        self,
+        max_tokens: int,
+        logprobs: bool,
+        top_logprobs: int,
+        seed_offset: int,
+        defaults: SamplingDefaults,
     ) -> SamplingParams:
-        return SamplingParams(
+        return defaults.params(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=(
-                1.0 if self.repetition_penalty is None else self.repetition_penalty
-            ),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(),
@@ -144,8 +151,14 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidRequestError("messages must not be empty", param="messages")
         return tuple(ChatMessage(m.role, m.text()) for m in self.messages)
 
-    def params(self, *, default_max_tokens: int, seed_offset: int = 0) -> SamplingParams:
-        limits = (self.max_completion_tokens, self.max_tokens)
+    def params(
+        self,
+        *,
+        default_max_tokens: int,
+        seed_offset: int = 0,
+        defaults: SamplingDefaults = NO_DEFAULTS,
+    ) -> SamplingParams:
+        limits = (self.max_completion_tokens, self.max_tokens, defaults.max_tokens)
         max_tokens = next((v for v in limits if v is not None), default_max_tokens)
         sent_as = {"max_tokens": "max_completion_tokens"} if limits[0] is not None else {}
         return self.sampling_params(
@@ -154,6 +167,7 @@ class ChatCompletionRequest(_Sampling):
             top_logprobs=self.top_logprobs or 0,
             seed_offset=seed_offset,
             sent_as=sent_as,
+            defaults=defaults,
         )
 
 
@@ -187,13 +201,21 @@ class CompletionRequest(_Sampling):
             raise InvalidRequestError("echo is not supported", param="echo")
         return prompts
 
-    def params(self, *, default_max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+    def params(
+        self,
+        *,
+        default_max_tokens: int,
+        seed_offset: int = 0,
+        defaults: SamplingDefaults = NO_DEFAULTS,
+    ) -> SamplingParams:
+        limits = (self.max_tokens, defaults.max_tokens)
         return self.sampling_params(
-            max_tokens=16 if self.max_tokens is None else self.max_tokens,
+            max_tokens=next((v for v in limits if v is not None), COMPLETIONS_MAX_TOKENS),
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
             seed_offset=seed_offset,
             sent_as={"top_logprobs": "logprobs"},
+            defaults=defaults,
         )
 
 

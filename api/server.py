@@ -21,6 +21,7 @@ from mlx_trio.actors.port import EnginePort
 from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.api.http import AppState, HttpSettings, build_app
 from mlx_trio.api.inprocess import freeze_startup_heap, open_runtime
+from mlx_trio.engine.sampling_defaults import describe
 
 logger = logging.getLogger("mlx_trio.server")
 
@@ -97,6 +98,7 @@ async def serve(
                 state.model_id = rt.model_id
                 freeze_startup_heap()
                 logger.info("serving model '%s' at %s", rt.model_id, url)
+                logger.info("sampling defaults: %s", describe(state.sampling_layers(rt)))
                 logger.info("try: %s", curl_example(url, rt.model_id, options.http.api_key))
                 await shutdown.wait()
                 logger.info("shutting down: admission closed, finishing in-flight requests")

@@ -181,6 +181,7 @@ def _request_body(model: str, text: str, max_tokens: int) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0,
+        "repetition_penalty": 1.0,  # not the model's default: the raw runs compared have none
         "max_tokens": max_tokens,
     }
 

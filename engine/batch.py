@@ -14,9 +14,9 @@ instead, which runs one row faster (on an H200, 263 against 151 tok/s): the row 
 its KV cache, the same way a parked row leaves, and goes back into the batch as a resumed row as
 soon as another row arrives. A row added to an empty batch with a prompt of at most one prefill
 chunk goes solo at once, prefilled by ``generate_step`` too, which reaches its first token
-sooner; if another row arrives before its first step, it joins the batch with its prompt. Rows
-with logits processors stay in the batch (``generate_step`` would see only the tokens since the
-switch).
+sooner; if another row arrives before its first step, it joins the batch with its prompt. A
+solo row's logits processors (penalties) see the tokens it had before going solo too
+(``with_history``), as they do in the batch.
 
 A call's steps need not all run inside it: between calls, while the caller hands out the last
 call's tokens, the engine thread runs up to ``steps - 1`` of the next call's steps ahead of it
@@ -48,6 +48,7 @@ from mlx_trio.engine.sampling import (
     make_row_processors,
     make_row_sampler,
     repair_random_state,
+    with_history,
     with_injected_fault,
 )
 
@@ -311,39 +312,39 @@ class BatchEngine:
     # -- a lone row ---------------------------------------------------------------------------
 
     def _start_solo(self) -> None:
-        """Go solo if exactly one row is left, generating, with no logits processors."""
+        """Go solo if exactly one row is left, generating."""
         if not self._solo_enabled or self._solo is not None or len(self._rows) != 1:
             return
         ((row_id, row),) = self._rows.items()
-        if not row.decoding or row.processors or row.uid is None:
+        if not row.decoding or row.uid is None:
             return
         caches, tokens = self._take_out(row_id)
-        steps = self._solo_steps(row, tokens[-1:], caches)
+        steps = self._solo_steps(row, tokens[-1:], caches, history=tokens[:-1])
         self._solo = _Solo(row_id, steps, caches, tokens)
 
     def _solo_steps(
-        self, row: _Row, prompt: list[int], caches: list[Any]
+        self, row: _Row, prompt: list[int], caches: list[Any], *, history: list[int]
     ) -> Generator[tuple[int, mx.array], None, None]:
-        """``generate_step`` for a solo row: ``prompt`` to prefill on top of ``caches``, then
-        the row's remaining tokens."""
+        """``generate_step`` for a solo row: ``prompt`` to prefill on top of ``caches`` (which
+        hold ``history``), then the row's remaining tokens."""
         return generate_step(
             mx.array(prompt),
             self._engine.model,
             max_tokens=row.decoder.params.max_tokens - row.num_sampled,
             sampler=row.sampler or greedy_sampler,
+            logits_processors=with_history(row.processors, history),
             prompt_cache=caches,
             prefill_step_size=self._prefill_chunk,
         )
 
     def _can_start_solo(self, row: _Row, prompt_tokens: int) -> bool:
-        """Whether a new row can go solo from its prompt: the batch is empty, the row has no
-        logits processors, and its prompt (past a prompt-cache hit) fits one prefill chunk, so
-        a row arriving meanwhile waits no longer for it than for a chunk in the batch."""
+        """Whether a new row can go solo from its prompt: the batch is empty and its prompt
+        (past a prompt-cache hit) fits one prefill chunk, so a row arriving meanwhile waits no
+        longer for it than for a chunk in the batch."""
         return (
             self._solo_enabled
             and self._solo is None
             and not self._rows
-            and not row.processors
             and 0 < prompt_tokens <= self._prefill_chunk
         )
 
@@ -354,9 +355,9 @@ class BatchEngine:
         prompt: list[int],
         unstarted: tuple[list[int], list[Any] | None, list[int] | None],
     ) -> None:
-        rest, hit_cache, _ = unstarted
+        rest, hit_cache, context = unstarted
         caches = hit_cache if hit_cache is not None else make_prompt_cache(self._engine.model)
-        steps = self._solo_steps(row, rest, caches)
+        steps = self._solo_steps(row, rest, caches, history=context or [])
         self._solo = _Solo(row_id, steps, caches, list(prompt), unstarted)
 
     def _solo_unstarted(self) -> bool:

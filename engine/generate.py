@@ -26,8 +26,10 @@ from mlx_trio.engine.sampling import (
     make_row_processors,
     make_row_sampler,
     repair_random_state,
+    with_history,
     with_injected_fault,
 )
+from mlx_trio.engine.sampling_defaults import SamplingDefaults
 from mlx_trio.engine.text import byte_level_table
 
 ProgressCallback = Callable[[int, int], None]
@@ -65,7 +67,7 @@ class Generation:
             self._engine.model,
             max_tokens=params.max_tokens,
             sampler=with_injected_fault(make_row_sampler(params), self._request) or greedy_sampler,
-            logits_processors=make_row_processors(params),
+            logits_processors=with_history(make_row_processors(params), prompt[:skip]),
             prompt_cache=kv,
             prefill_step_size=self._engine.prefill_step_size,
             prompt_progress_callback=self._on_progress,
@@ -171,6 +173,11 @@ class Engine:
     @property
     def context_length(self) -> int:
         return self.loaded.context_length
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's own defaults (its ``generation_config.json``)."""
+        return self.loaded.sampling_defaults
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Tokenize and check a request; raises :class:`InvalidRequestError` subclasses."""

@@ -26,6 +26,7 @@ from mlx_trio.engine._blas import gfortran_source, openblas_path
 from mlx_trio.engine.errors import InvalidRequestError, UnsupportedModelError
 from mlx_trio.engine.gguf import Progress
 from mlx_trio.engine.model_store import resolve_model
+from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ _FALLBACK_CONTEXT = 2048
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """A model and tokenizer in memory, evaluated and ready to generate."""
+    """A model and tokenizer in memory, evaluated and ready to generate; ``sampling_defaults``
+    are those of its ``generation_config.json``."""
 
     model: nn.Module
     tokenizer: TokenizerWrapper
@@ -45,6 +47,7 @@ class LoadedModel:
     is_quantized: bool
     context_length: int
     device: str
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS
 
 
 def load_model(
@@ -84,6 +87,7 @@ def load_model(
         is_quantized=any("scales" in m for _, m in model.named_modules()),
         context_length=_context_length(config, tokenizer),
         device="cpu" if on_cpu else "gpu",
+        sampling_defaults=SamplingDefaults.read(resolved.path),
     )
     logger.info(
         "loaded %s on %s (%s%s, context %d)",

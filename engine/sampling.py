@@ -20,6 +20,7 @@ import logging
 import math
 import secrets
 from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, greedy_sampler, make_logits_processors
@@ -45,34 +46,52 @@ def keep_top_k(logprobs: mx.array, k: int) -> mx.array:
     return mx.put_along_axis(logprobs, dropped, mx.array(-math.inf, logprobs.dtype), axis=-1)
 
 
-# The compiled pieces take every parameter as an array, so one trace serves every value, and
-# capture no state: one that raises while being traced leaves nothing broken behind.
-
-
-@mx.compile
-def keep_top_p(logprobs: mx.array, p: mx.array) -> mx.array:
-    """Keep the smallest set of most likely tokens whose probability reaches ``p``."""
-    ascending = mx.sort(logprobs, axis=-1)
+def keep_top_p(logits: mx.array, p: mx.array) -> mx.array:
+    """Keep the smallest set of most likely tokens whose probability reaches ``p`` (``logits``
+    need not be normalized: the mass is summed here)."""
+    ascending = mx.sort(logits, axis=-1)
     probs = mx.exp(ascending.astype(mx.float32))
     mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
     total = mass_above[..., :1] + probs[..., :1]
     num_dropped = (mass_above >= p * total).sum(axis=-1, keepdims=True)
     threshold = mx.take_along_axis(ascending, num_dropped, axis=-1)
-    return mx.where(logprobs < threshold, -math.inf, logprobs)
+    return mx.where(logits < threshold, -math.inf, logits)
 
 
-@mx.compile
-def keep_min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
+def keep_min_p(logits: mx.array, log_min_p: mx.array) -> mx.array:
     """Keep the tokens at least ``exp(log_min_p)`` times as likely as the most likely one."""
-    floor = mx.max(logprobs, axis=-1, keepdims=True) + log_min_p
-    return mx.where(logprobs < floor, -math.inf, logprobs)
+    floor = mx.max(logits, axis=-1, keepdims=True) + log_min_p
+    return mx.where(logits < floor, -math.inf, logits)
 
 
-@mx.compile
-def draw(logprobs: mx.array, key: mx.array, inv_temperature: mx.array) -> tuple[mx.array, mx.array]:
-    """A categorical draw at a temperature from ``key``; returns the token and the next key."""
+def temper(
+    logprobs: mx.array,
+    inv_temperature: mx.array,
+    top_p: mx.array | None = None,
+    log_min_p: mx.array | None = None,
+) -> mx.array:
+    """The temperature, then top-p and min-p (each off where None) on the tempered
+    distribution. The parameters are arrays, so one compiled trace serves every value."""
+    logits = logprobs * inv_temperature
+    if top_p is not None:
+        logits = keep_top_p(logits, top_p)
+    if log_min_p is not None:
+        logits = keep_min_p(logits, log_min_p)
+    return logits
+
+
+def draw(logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    """A categorical draw from ``key``; returns the token and the next key."""
     key, subkey = mx.random.split(key)
-    return mx.random.categorical(logprobs * inv_temperature, key=subkey), key
+    return mx.random.categorical(logits, key=subkey), key
+
+
+# Compiled, each is one launch of fused kernels rather than one per op (on a GPU a row's draw is
+# launch-bound). They capture no state: one that raises while being traced breaks nothing else.
+# A filter that is off is a None, a constant of the trace: at most four traces of each.
+_temper = mx.compile(temper)
+_draw = mx.compile(draw)
+_temper_and_draw = mx.compile(lambda logprobs, key, *filters: draw(temper(logprobs, *filters), key))
 
 
 def random_seed() -> int:
@@ -81,24 +100,26 @@ def random_seed() -> int:
 
 
 class RowSampler:
-    """Top-p, min-p and top-k filtering, then a categorical draw from the row's own key."""
+    """The temperature, then top-p, min-p and top-k filtering of the tempered distribution (the
+    order of Hugging Face's and vLLM's samplers, so a model's ``generation_config.json`` means
+    here what its authors meant), then a categorical draw from the row's own key."""
 
     def __init__(self, params: SamplingParams) -> None:
         assert not params.is_greedy
         self._key = mx.random.key(params.seed if params.seed is not None else random_seed())
-        self._inv_temperature = mx.array(1.0 / params.temperature)
-        self._top_p = mx.array(params.top_p) if 0.0 < params.top_p < 1.0 else None
-        self._log_min_p = mx.array(math.log(params.min_p)) if params.min_p > 0.0 else None
+        self._filters = (  # temper's parameters
+            mx.array(1.0 / params.temperature),
+            mx.array(params.top_p) if 0.0 < params.top_p < 1.0 else None,
+            mx.array(math.log(params.min_p)) if params.min_p > 0.0 else None,
+        )
         self._top_k = params.top_k
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        if self._top_p is not None:
-            logprobs = keep_top_p(logprobs, self._top_p)
-        if self._log_min_p is not None:
-            logprobs = keep_min_p(logprobs, self._log_min_p)
-        if self._top_k > 0:
-            logprobs = keep_top_k(logprobs, self._top_k)
-        token, self._key = draw(logprobs, self._key, self._inv_temperature)
+        if self._top_k > 0:  # top-k cannot be compiled for every k: three launches
+            logits = keep_top_k(_temper(logprobs, *self._filters), self._top_k)
+            token, self._key = _draw(logits, self._key)
+        else:
+            token, self._key = _temper_and_draw(logprobs, self._key, *self._filters)
         return token
 
 
@@ -143,6 +164,20 @@ def repair_random_state() -> bool:
         logger.warning("MLX's global random state was broken by a failed sampler; re-seeded it")
         return True
     return False
+
+
+def with_history(processors: list[LogitsProcessor], history: list[int]) -> list[LogitsProcessor]:
+    """``processors`` for a ``generate_step`` that starts past ``history`` (a prompt-cache hit,
+    or a row that left the batch): ``generate_step`` hands them only the tokens it was given
+    and sampled, so each gets the last ``PENALTY_CONTEXT_SIZE`` tokens of ``history`` first."""
+    if not processors or not history:
+        return processors
+    before = mx.array(history[-PENALTY_CONTEXT_SIZE:])
+    return [partial(_after, before, processor) for processor in processors]
+
+
+def _after(before: mx.array, processor: LogitsProcessor, tokens: mx.array, logits: mx.array):
+    return processor(mx.concatenate([before, tokens.astype(before.dtype)]), logits)
 
 
 def make_row_processors(params: SamplingParams) -> list[LogitsProcessor]:

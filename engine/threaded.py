@@ -18,6 +18,7 @@ from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
+from mlx_trio.engine.sampling_defaults import SamplingDefaults
 from mlx_trio.engine.thread import EngineThread
 from mlx_trio.engine.warmup import warm_up
 
@@ -68,6 +69,10 @@ class ThreadedEngine:
     @property
     def model_id(self) -> str:
         return self.engine.model_id
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self.engine.sampling_defaults
 
     @property
     def max_batch(self) -> int:

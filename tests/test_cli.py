@@ -58,6 +58,8 @@ def test_a_file_that_is_not_a_model_is_refused(tmp_path):
 
 @pytest.mark.e2e
 def test_greedy_capital_of_france_is_paris():
-    result = mlx_trio("generate", "What is the capital of France?")
+    result = mlx_trio("generate", "What is the capital of France?", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+    assert "sampling defaults: temperature=0 (flag) top_p=1 (built-in)" in result.stderr
+    assert "repetition_penalty=1.1 (model)" in result.stderr

@@ -13,7 +13,7 @@ from mlx_trio.engine.errors import ContextLengthExceededError, InvalidRequestErr
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowFailed, RowOutput, RowProgress
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.sampling import make_row_sampler
+from mlx_trio.engine.sampling import make_row_processors, make_row_sampler
 
 TINY_VOCAB = 263  # tests/tiny.py: 256 bytes, 4 merges, 3 special tokens
 
@@ -504,13 +504,48 @@ def test_a_solo_row_parks_resumes_and_is_removed_like_any_other(tiny_engine):
     assert batch.num_rows == 0 and batch.kv_bytes == 0
 
 
-def test_a_row_with_penalties_stays_in_the_batch(tiny_engine):
-    params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3)
-    batch = BatchEngine(tiny_engine, max_batch=4)
-    batch.add(tiny_engine.prepare(PROMPTS[0], params))
-    while batch.num_rows:
-        batch.step()
-        assert batch.solo_row is None
+def test_a_row_with_penalties_goes_solo_and_its_penalties_see_its_whole_history(
+    tiny_engine, monkeypatch
+):
+    penalized = SamplingParams(
+        temperature=0, max_tokens=24, repetition_penalty=1.8, presence_penalty=1.5
+    )
+    short = SamplingParams(temperature=0, max_tokens=3)
+    seen: list[int] = []  # how many tokens the penalized row's processors saw at each step
+
+    def processors(params: SamplingParams):
+        def record(tokens: mx.array, logits: mx.array) -> mx.array:
+            seen.append(tokens.size)
+            return logits
+
+        made = make_row_processors(params)
+        return [*made, record] if params is penalized else made
+
+    monkeypatch.setattr("mlx_trio.engine.batch.make_row_processors", processors)
+
+    def run(solo: bool) -> tuple[list[int], bool]:
+        seen.clear()
+        batch = BatchEngine(tiny_engine, max_batch=4, solo=solo)
+        row = batch.add(tiny_engine.prepare(PROMPTS[0], penalized))
+        batch.add(tiny_engine.prepare(PROMPTS[1], short))  # it leaves; the first goes solo
+        tokens, went_solo = [], False
+        while batch.num_rows:
+            for event in batch.step():
+                if isinstance(event, RowOutput) and event.row == row:
+                    tokens += event.delta.token_ids
+            went_solo |= batch.solo_row == row
+        return tokens, went_solo
+
+    prompt = len(tiny_engine.prepare(PROMPTS[0], penalized).prompt_tokens)
+    in_batch, _ = run(solo=False)
+    solo, went_solo = run(solo=True)
+    assert went_solo
+    assert solo == in_batch
+    # Every step, solo ones included, showed the processors the whole prompt and the tokens
+    # so far (without its history a solo step would show only those since it went solo).
+    assert seen == sorted(seen) and seen[0] == prompt
+    assert seen[-1] >= prompt + len(in_batch) - 1
+    assert solo_tokens(tiny_engine, PROMPTS[0], penalized) == in_batch  # solo from its prompt
 
 
 def run_ahead(batch: BatchEngine) -> int:

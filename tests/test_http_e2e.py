@@ -118,3 +118,24 @@ async def test_top_k_past_the_vocabulary_is_refused_and_sampling_goes_on(server)
         assert replies["greedy"].choices[0].message.content == greedy.choices[0].message.content
         alone = await ask(1.0, 49151)
         assert alone.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_readmes_first_curl_samples_with_the_models_defaults_and_answers_paris(server):
+    # The README's first curl sends no temperature: the default model's generation_config.json
+    # applies (temperature 1, OpenAI's default, answered nonsense). A seed makes it reproducible.
+    [model] = httpx.get(f"{server.url}/v1/models").json()["data"]
+    from_model = {
+        name: entry["value"]
+        for name, entry in model["sampling_defaults"].items()
+        if entry["source"] == "model"
+    }
+    assert from_model == {"temperature": 0.1, "repetition_penalty": 1.1}
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    answers = [
+        sdk.chat.completions.create(model=model["id"], messages=QUESTION, max_tokens=32, seed=2)
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
+    assert answers[0] == answers[1]
+    assert "Paris" in answers[0]

