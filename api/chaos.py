@@ -470,7 +470,7 @@ class InProcessClient:
         self.rt = rt
 
     async def shutdown(self) -> None:
-        await self.rt.runtime.shutdown()
+        await self.rt.shutdown()
 
     async def observe(self) -> tuple[RuntimeStatistics, int | None]:
         return self.rt.statistics(), None
@@ -494,7 +494,7 @@ class InProcessClient:
         except (OverloadedError, RuntimeClosedError) as exc:
             result.refused = exc.code
             if isinstance(exc, OverloadedError):
-                config = self.rt.runtime.config
+                config = self.rt.config
                 result.refused_when_full = (
                     exc.live >= config.live_limit and exc.queued >= config.max_queued
                 )
@@ -592,7 +592,7 @@ class HttpClient:
         # What serve does on SIGTERM, except that the server keeps answering: quiescence can
         # still be checked over HTTP, and new requests get 503 shutting_down.
         assert self.state.runtime is not None
-        await self.state.runtime.runtime.shutdown()
+        await self.state.runtime.shutdown()
 
     async def observe(self) -> tuple[RuntimeStatistics, int | None]:
         stats = await self.http.get("/v1/stats")

@@ -314,7 +314,7 @@ class Api:
                 exc.param = "prompt"  # the engine names a chat's field, "messages"
             raise _refusal(exc) from None
         exchange = Exchange(
-            request_id, kind, body.model, handles, rt.runtime.engine.token_text, n=body.n
+            request_id, kind, body.model, handles, rt.token_text, n=body.n
         )
         headers = {"X-Request-Id": request_id}
         if body.stream:

@@ -124,7 +124,24 @@ class RuntimeHandle:
         return self._runtime.engine.sampling_defaults
 
     @property
+    def config(self) -> RuntimeConfig:
+        """The limits the runtime was opened with."""
+        return self._runtime.config
+
+    def token_text(self, token_id: int) -> str:
+        """One token id's text, as the model's tokenizer decodes it alone."""
+        return self._runtime.engine.token_text(token_id)
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Drain: admission closes, requests in flight get ``grace_s`` (the config's grace if
+        None) to finish, the rest end cancelled ``shutdown``. Returns once every session
+        ended; the ``open_runtime`` block then exits as usual."""
+        await self._runtime.shutdown(grace_s)
+
+    @property
     def runtime(self) -> Runtime:
+        """The runtime's actors, for benchmarks that time its parts; callers of the API need
+        none of it."""
         return self._runtime
 
     async def submit(self, request: GenerationRequest | str) -> SessionHandle:

@@ -314,7 +314,7 @@ async def run_script(ops: list) -> None:
                     case Advance(seconds):
                         await trio.sleep(seconds)
                     case Shutdown():
-                        await rt.runtime.shutdown(grace_s=0.2)
+                        await rt.shutdown(grace_s=0.2)
             for gate in stalls.values():
                 gate.set()
         await trio.sleep(2.0)
