@@ -31,7 +31,7 @@ from mlx_trio.engine.outputs import (
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt, check_fits, check_messages
 from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from mlx_trio.engine.text import StopStringMatcher
+from mlx_trio.engine.stops import StopStringMatcher
 
 VOCAB_SIZE = 1000
 EOS_TOKEN = 0
