@@ -1,0 +1,35 @@
+"""The in-process API's public names: all importable from ``mlx_trio.api``, and the README's
+example imports from nowhere else."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import mlx_trio.api
+
+README = Path(__file__).parent.parent / "README.md"
+
+# What users import. Taking a name away (or moving it without keeping it here) breaks them:
+# this list changes only on purpose.
+PUBLIC = {
+    "open_runtime", "RuntimeHandle", "SessionHandle", "Collected", "RuntimeConfig",
+    "RuntimeStatistics", "freeze_startup_heap",
+    "GenerationRequest", "SamplingParams", "SamplingDefaults", "ChatMessage",
+    "TextDelta", "Progress", "Completed", "Cancelled", "Failed", "Event", "Outcome",
+    "CancelReason", "FinishReason", "Usage", "Timings", "TokenLogprob",
+    "MlxTrioError", "InvalidRequestError", "ContextLengthExceededError", "RuntimeRefusal",
+    "OverloadedError", "RuntimeClosedError", "EngineError", "ModelError",
+    "ModelNotFoundError", "UnsupportedModelError", "ModelImportError",
+}  # fmt: skip
+
+
+def test_every_public_name_is_exported_and_importable():
+    assert set(mlx_trio.api.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(mlx_trio.api, name) is not None
+
+
+def test_the_readme_imports_only_from_the_public_surface():
+    imports = re.findall(r"^from (mlx_trio[\w.]*) import", README.read_text(), flags=re.M)
+    assert imports and set(imports) == {"mlx_trio.api"}
