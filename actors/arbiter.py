@@ -32,14 +32,16 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class Acquire:
-    """Ask for the lease; it arrives on ``grant`` (for the batch group, drain notices too)."""
+    """Ask for the lease; it arrives on ``grant``. The batch group passes its inbox, a
+    ``Grant`` channel, which also gets drain notices while it holds the lease; everyone else a
+    channel of leases."""
 
     kind: LeaseKind
-    grant: trio.MemorySendChannel
+    grant: trio.MemorySendChannel[Lease] | trio.MemorySendChannel[Grant]
 
 
 @dataclass(frozen=True, slots=True)
-class Release:
+class ReleaseLease:
     lease: Lease
 
 
@@ -58,7 +60,9 @@ class DrainCalledOff:
     """Sent to the batch group: the serial waiters left; admit again."""
 
 
-ArbiterMessage = Acquire | Release | Withdrawn
+ArbiterMessage = Acquire | ReleaseLease | Withdrawn
+# What the arbiter sends on a grant channel.
+Grant = Lease | DrainRequested | DrainCalledOff
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +79,9 @@ class EngineArbiter:
     def __init__(self, *, inbox_size: int = 256) -> None:
         self.inbox, self._recv = trio.open_memory_channel[ArbiterMessage](inbox_size)
         self._holder: Lease | None = None
-        self._holder_channel: trio.MemorySendChannel | None = None
+        self._holder_channel: (
+            trio.MemorySendChannel[Lease] | trio.MemorySendChannel[Grant] | None
+        ) = None
         self._serial: deque[Acquire] = deque()  # serial and exclusive, FIFO
         self._batch: Acquire | None = None
         self._idle: deque[Acquire] = deque()
@@ -106,7 +112,7 @@ class EngineArbiter:
                         self._idle.append(message)
                     case Acquire():
                         raise AssertionError(f"unknown lease kind {message.kind}")
-                    case Release(lease):
+                    case ReleaseLease(lease):
                         assert self._holder == lease, f"released {lease}, held {self._holder}"
                         self._holder = None
                         self._holder_channel = None
@@ -176,5 +182,5 @@ async def acquire(arbiter: trio.MemorySendChannel[ArbiterMessage], kind: LeaseKi
             with trio.move_on_after(1.0, shield=True):
                 lease = take_buffered(recv, Lease)
                 recv.close()
-                await arbiter.send(Withdrawn() if lease is None else Release(lease))
+                await arbiter.send(Withdrawn() if lease is None else ReleaseLease(lease))
             raise

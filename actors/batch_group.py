@@ -39,7 +39,7 @@ from mlx_trio.actors.arbiter import (
     DrainCalledOff,
     DrainRequested,
     Lease,
-    Release,
+    ReleaseLease,
 )
 from mlx_trio.actors.channels import offer
 from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox, is_final
@@ -203,7 +203,7 @@ class BatchGroup:
             case AddRow():
                 self._pending.append(message)
             case Lease():
-                # A fresh lease starts undrained: a DrainRequested that crossed our Release in
+                # A fresh lease starts undrained: a DrainRequested that crossed our ReleaseLease in
                 # flight is stale, and the arbiter asks again if a serial waiter is queued.
                 self._lease = message
                 self._asked = False
@@ -249,7 +249,7 @@ class BatchGroup:
             if not self._members and (self._draining or not self._pending):
                 lease, self._lease = self._lease, None
                 self._draining = False
-                await self._arbiter.send(Release(lease))
+                await self._arbiter.send(ReleaseLease(lease))
         if self._lease is None and (self._pending or self._members) and not self._asked:
             self._asked = True
             await self._arbiter.send(Acquire("batch", self.inbox))

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Permit:
-    """One live-session slot; give it back with :class:`Release`."""
+    """One live-session slot; give it back with :class:`ReturnPermit`."""
 
     number: int
 
@@ -47,7 +47,7 @@ class Admit:
 
 
 @dataclass(frozen=True, slots=True)
-class Release:
+class ReturnPermit:
     permit: Permit
 
 
@@ -56,7 +56,7 @@ class Close:
     """Refuse everything from now on, queued waiters included."""
 
 
-GateMessage = Admit | Release | Close
+GateMessage = Admit | ReturnPermit | Close
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ class AdmissionGate:
                 match message:
                     case Admit(reply):
                         self._admit(reply)
-                    case Release(permit):
+                    case ReturnPermit(permit):
                         self._live.discard(permit.number)
                         self._grant_waiters()
                     case Close():

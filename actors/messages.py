@@ -96,9 +96,13 @@ class Cancelled:
     usage: Usage
 
 
+# Why a request failed: the engine failed its row or step, or the runtime had a bug.
+FailureCode = Literal["engine_fault", "internal_error"]
+
+
 @dataclass(frozen=True, slots=True)
 class Failed:
-    code: str
+    code: FailureCode
     message: str
 
 

@@ -21,15 +21,17 @@ from typing import Literal, TypeVar
 import trio
 
 from mlx_trio.actors import gate
-from mlx_trio.actors.arbiter import EngineArbiter, LeaseKind, Release, acquire
+from mlx_trio.actors.arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
 from mlx_trio.actors.batch_group import BatchGroup
 from mlx_trio.actors.channels import take_buffered
 from mlx_trio.actors.messages import (
     CANCEL_REASONS,
     Cancelled,
+    CancelReason,
     Completed,
     Event,
     Failed,
+    FailureCode,
     GenerationRequest,
     Lane,
     describe,
@@ -93,8 +95,8 @@ class RuntimeStatistics:
     rows_submitted: dict[str, int]
     drains: int
     completed: int
-    cancelled: dict[str, int]
-    failed: dict[str, int]
+    cancelled: dict[CancelReason, int]
+    failed: dict[FailureCode, int]
     refused: int
     engine_faults: int
     stuck_steps: int
@@ -143,7 +145,9 @@ class Runtime:
         self._no_sessions = trio.Event()
         self._no_sessions.set()
         self._closed = False
-        self._outcomes: Counter[str] = Counter()
+        self._completed = 0
+        self._cancelled: Counter[CancelReason] = Counter()
+        self._failed: Counter[FailureCode] = Counter()
         self._rows_by_lane: Counter[str] = Counter()
 
     # -- submission -------------------------------------------------------------------------
@@ -230,7 +234,7 @@ class Runtime:
         permit = take_buffered(admission, gate.Permit)
         await admission.aclose()
         if permit is not None:
-            await self.gate.inbox.send(gate.Release(permit))
+            await self.gate.inbox.send(gate.ReturnPermit(permit))
 
     def _start(
         self,
@@ -279,11 +283,11 @@ class Runtime:
     def _record(self, session: Session) -> None:
         match session.outcome:
             case Completed():
-                self._outcomes["completed"] += 1
+                self._completed += 1
             case Cancelled(reason=reason):
-                self._outcomes[f"cancelled:{reason}"] += 1
+                self._cancelled[reason] += 1
             case Failed(code=code):
-                self._outcomes[f"failed:{code}"] += 1
+                self._failed[code] += 1
         outcome = session.outcome
         assert outcome is not None
         usage = outcome.usage if isinstance(outcome, Completed | Cancelled) else None
@@ -315,7 +319,7 @@ class Runtime:
             return await fn()
         finally:
             with trio.move_on_after(1.0, shield=True):
-                await self.arbiter.inbox.send(Release(lease))
+                await self.arbiter.inbox.send(ReleaseLease(lease))
 
     # -- statistics and shutdown ------------------------------------------------------------
 
@@ -333,10 +337,8 @@ class Runtime:
         serial = self.serial.statistics()
         holder = "exclusive" if arbiter.holder == "idle" else arbiter.holder
         mode = "draining" if arbiter.draining else (holder or "idle")
-        cancelled = {r: self._outcomes[f"cancelled:{r}"] for r in CANCEL_REASONS}
-        failed = {
-            k.split(":", 1)[1]: v for k, v in self._outcomes.items() if k.startswith("failed:")
-        }
+        cancelled = {r: self._cancelled[r] for r in CANCEL_REASONS}
+        failed = dict(self._failed)
         return RuntimeStatistics(
             lane_mode=mode,
             live_sessions=gate_stats.live,
@@ -346,7 +348,7 @@ class Runtime:
             pending_rows=batch.pending_rows,
             rows_submitted={"batch": batch.rows_submitted, "serial": serial.runs},
             drains=arbiter.drains,
-            completed=self._outcomes["completed"],
+            completed=self._completed,
             cancelled=cancelled,
             failed=failed,
             refused=gate_stats.refused,

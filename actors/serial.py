@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import trio
 
-from mlx_trio.actors.arbiter import ArbiterMessage, Lease, Release
+from mlx_trio.actors.arbiter import ArbiterMessage, Lease, ReleaseLease
 from mlx_trio.actors.lanes import Abandoned, LaneEvent, SessionInbox, is_final
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.engine.outputs import RowFailed
@@ -71,7 +71,7 @@ class SerialExecutor:
                 finally:
                     self._running = False
                     with trio.move_on_after(1.0, shield=True):
-                        await self._arbiter.send(Release(job.lease))
+                        await self._arbiter.send(ReleaseLease(job.lease))
 
     async def _run_job(self, job: SerialJob) -> None:
         events = job.events

@@ -118,7 +118,7 @@ class Session:
                     permit = take_buffered(admission, gate.Permit)
                 await admission.aclose()
                 if permit is not None:
-                    await self._links.gate.send(gate.Release(permit))
+                    await self._links.gate.send(gate.ReturnPermit(permit))
             if outcome is None:
                 outcome = Cancelled(self._cancel_reason(), self._usage())
             await self._publish_outcome(outcome)
