@@ -185,13 +185,15 @@ def _validation_error(exc: ValidationError) -> HttpError:
 
 @dataclass
 class Exchange:
-    """One HTTP generation request: its sessions and what its log line reports."""
+    """One HTTP generation request: its sessions, the outcomes they record on the way (with
+    the metrics they feed), and its log line."""
 
     request_id: str
     kind: fmt.Kind
     model: str
     handles: list[SessionHandle]
     token_text: Callable[[int], str]
+    metrics: Metrics
     n: int = 1  # choices to a prompt: handles[p * n : (p + 1) * n] share prompt p
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
@@ -205,6 +207,62 @@ class Exchange:
         every choice's completion tokens."""
         usages = [o.usage if isinstance(o, of) else None for o in self.outcomes]
         return fmt.sum_usage(usages, choices_per_prompt=self.n)
+
+    async def events(self, index: int, handle: SessionHandle) -> AsyncGenerator[Event, None]:
+        """Session ``index``'s events, recording its outcome and metrics on the way; where the
+        events end without the outcome (not sent to a slow reader), it is awaited and recorded.
+        Cancelled or closed early, the handle is closed (which cancels a session without an
+        outcome ``consumer_closed``) and no outcome is recorded."""
+        metrics = self.metrics
+        last_text_at: float | None = None
+        async with handle:
+            async for event in handle:
+                if isinstance(event, TextDelta):
+                    now = time.perf_counter()
+                    if last_text_at is not None:
+                        metrics.inter_token.observe(now - last_text_at)
+                    last_text_at = now
+                elif isinstance(event, Completed | Cancelled | Failed):
+                    self.outcomes[index] = event
+                    self._count(event)
+                yield event
+        if self.outcomes[index] is None:  # the handle was closed before its outcome arrived
+            self.outcomes[index] = outcome = await handle.result()
+            self._count(outcome)
+
+    def _count(self, outcome: Outcome) -> None:
+        metrics = self.metrics
+        endpoint = "chat" if self.kind == "chat" else "completions"
+        match outcome:
+            case Completed(usage=usage, timings=timings):
+                metrics.requests.labels(endpoint, "completed").inc()
+                metrics.prompt_tokens.inc(usage.prompt_tokens)
+                metrics.generated_tokens.inc(usage.completion_tokens)
+                if timings.ttft_s is not None:
+                    metrics.ttft.observe(timings.ttft_s)
+            case Cancelled(reason=reason, usage=usage):
+                metrics.requests.labels(endpoint, "cancelled").inc()
+                metrics.cancellations.labels(reason).inc()
+                metrics.generated_tokens.inc(usage.completion_tokens)
+            case Failed():
+                metrics.requests.labels(endpoint, "failed").inc()
+
+    def log(self, status: int) -> None:
+        """The request's one log line: its status, each choice's outcome, usage and timings."""
+        done = [o for o in self.outcomes if o is not None]
+        usage = self.usage(of=(Completed, Cancelled))
+        ttfts = [o.timings.ttft_s for o in done if isinstance(o, Completed) and o.timings.ttft_s]
+        summary = ",".join(describe(o) for o in done)
+        logger.info(
+            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.3fs",
+            self.request_id,
+            status,
+            summary,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            f"{min(ttfts):.3f}s" if ttfts else "-",
+            time.perf_counter() - self.started,
+        )
 
 
 def _refusal(exc: Exception) -> HttpError:
@@ -314,11 +372,11 @@ class Api:
                 exc.param = "prompt"  # the engine names a chat's field, "messages"
             raise _refusal(exc) from None
         exchange = Exchange(
-            request_id, kind, body.model, handles, rt.token_text, n=body.n
+            request_id, kind, body.model, handles, rt.token_text, self.state.metrics, n=body.n
         )
         headers = {"X-Request-Id": request_id}
         if body.stream:
-            return EventStream(self, exchange, body.include_usage, headers)
+            return EventStream(exchange, self.state.live, body.include_usage, headers)
         self.state.live[request_id] = handles
         try:
             return await self._complete(request, exchange, headers)
@@ -330,7 +388,7 @@ class Api:
         logprobs: list[list[TokenLogprob] | None] = [None] * len(ex.handles)
 
         async def collect(index: int, handle: SessionHandle) -> None:
-            async for event in self._events(ex, index, handle):
+            async for event in ex.events(index, handle):
                 if isinstance(event, TextDelta):
                     texts[index] += event.text
                     if event.logprobs is not None:
@@ -346,7 +404,7 @@ class Api:
         failure = _first_failure(ex.outcomes)
         if failure is not None:
             error = _outcome_error(failure)
-            self._log(ex, error.status)
+            ex.log(error.status)
             return JSONResponse(error.body, status_code=error.status, headers=headers)
         choices = [
             fmt.choice_body(
@@ -359,7 +417,7 @@ class Api:
             for i, outcome in enumerate(ex.outcomes)
         ]
         usage = ex.usage()
-        self._log(ex, 200)
+        ex.log(200)
         return JSONResponse(
             fmt.completion_body(
                 ex.kind,
@@ -370,60 +428,6 @@ class Api:
                 usage=usage,
             ),
             headers=headers,
-        )
-
-    async def _events(
-        self, ex: Exchange, index: int, handle: SessionHandle
-    ) -> AsyncGenerator[Event, None]:
-        """A session's events, recording its outcome and metrics on the way."""
-        metrics = self.state.metrics
-        last_text_at: float | None = None
-        async with handle:
-            async for event in handle:
-                if isinstance(event, TextDelta):
-                    now = time.perf_counter()
-                    if last_text_at is not None:
-                        metrics.inter_token.observe(now - last_text_at)
-                    last_text_at = now
-                elif isinstance(event, Completed | Cancelled | Failed):
-                    ex.outcomes[index] = event
-                    self._count(ex.kind, event)
-                yield event
-        if ex.outcomes[index] is None:  # the handle was closed before its outcome arrived
-            ex.outcomes[index] = outcome = await handle.result()
-            self._count(ex.kind, outcome)
-
-    def _count(self, kind: fmt.Kind, outcome: Outcome) -> None:
-        metrics = self.state.metrics
-        endpoint = "chat" if kind == "chat" else "completions"
-        match outcome:
-            case Completed(usage=usage, timings=timings):
-                metrics.requests.labels(endpoint, "completed").inc()
-                metrics.prompt_tokens.inc(usage.prompt_tokens)
-                metrics.generated_tokens.inc(usage.completion_tokens)
-                if timings.ttft_s is not None:
-                    metrics.ttft.observe(timings.ttft_s)
-            case Cancelled(reason=reason, usage=usage):
-                metrics.requests.labels(endpoint, "cancelled").inc()
-                metrics.cancellations.labels(reason).inc()
-                metrics.generated_tokens.inc(usage.completion_tokens)
-            case Failed():
-                metrics.requests.labels(endpoint, "failed").inc()
-
-    def _log(self, ex: Exchange, status: int) -> None:
-        done = [o for o in ex.outcomes if o is not None]
-        usage = ex.usage(of=(Completed, Cancelled))
-        ttfts = [o.timings.ttft_s for o in done if isinstance(o, Completed) and o.timings.ttft_s]
-        summary = ",".join(describe(o) for o in done)
-        logger.info(
-            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.3fs",
-            ex.request_id,
-            status,
-            summary,
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            f"{min(ttfts):.3f}s" if ttfts else "-",
-            time.perf_counter() - ex.started,
         )
 
     # -- the other endpoints ----------------------------------------------------------------
@@ -512,16 +516,22 @@ class EventStream:
     """An SSE response: chunks as the sessions produce them, then ``[DONE]``."""
 
     def __init__(
-        self, api: Api, exchange: Exchange, include_usage: bool, headers: dict[str, str]
+        self,
+        exchange: Exchange,
+        live: dict[str, list[SessionHandle]],
+        include_usage: bool,
+        headers: dict[str, str],
     ) -> None:
-        self.api = api
+        """``live``: the running requests by id, where this one is listed while it streams (so
+        that it can be cancelled by id)."""
         self.ex = exchange
+        self.live = live
         self.include_usage = include_usage
         self.headers = headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = self.ex
-        self.api.state.live[ex.request_id] = ex.handles
+        self.live[ex.request_id] = ex.handles
         headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
@@ -540,8 +550,8 @@ class EventStream:
             for handle in ex.handles:
                 handle.cancel_nowait("consumer_closed")
         finally:
-            del self.api.state.live[ex.request_id]
-            self.api._log(ex, status)
+            del self.live[ex.request_id]
+            ex.log(status)
 
     async def _stream(self, send: Send) -> None:
         ex = self.ex
@@ -564,7 +574,7 @@ class EventStream:
             for index in range(len(ex.handles)):
                 await write(chunk(index, role=True, text=""))
         if len(ex.handles) == 1:  # the common case: no task between the session and the socket
-            async with aclosing(self.api._events(ex, 0, ex.handles[0])) as events:
+            async with aclosing(ex.events(0, ex.handles[0])) as events:
                 async for event in events:
                     await self._write_event(write, chunk, 0, event)
         else:
@@ -594,7 +604,7 @@ class EventStream:
 
         async def pump(index: int, handle: SessionHandle, out: trio.MemorySendChannel) -> None:
             async with out:
-                async for event in self.api._events(ex, index, handle):
+                async for event in ex.events(index, handle):
                     await out.send((index, event))
 
         async with trio.open_nursery() as nursery, merged:
