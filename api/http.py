@@ -17,10 +17,9 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
-from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -41,11 +40,12 @@ from mlx_trio.actors.messages import (
     describe,
 )
 from mlx_trio.actors.runtime import RuntimeStatistics
-from mlx_trio.api import json_body
 from mlx_trio.api import openai_format as fmt
+from mlx_trio.api.http_errors import HttpError, first_failure, outcome_error, refusal_error
+from mlx_trio.api.http_input import parse, read_json
 from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle
 from mlx_trio.api.metrics import Metrics
-from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest, error_param
+from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlx_trio.engine.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -65,15 +65,6 @@ from mlx_trio.engine.sampling_defaults import (
 
 logger = logging.getLogger("mlx_trio.http")
 
-OUTCOME_STATUS = {
-    "deadline": (408, "timeout_error", "request_timeout"),
-    "shutdown": (503, "server_error", "shutting_down"),
-    "engine_fault": (503, "server_error", "engine_timeout"),  # a step hung: not "failed"
-    "requested": (499, "invalid_request_error", "request_cancelled"),
-    "consumer_closed": (499, "invalid_request_error", "client_closed"),
-    "consumer_idle": (499, "invalid_request_error", "client_idle"),
-}
-
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
@@ -87,26 +78,6 @@ class HttpSettings:
     sampling: SamplingDefaults = NO_DEFAULTS  # serve's flags: over the model's defaults
     request_timeout_s: float | None = None
     body_timeout_s: float = 30.0
-
-
-class HttpError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = fmt.error_body(message, type=type, param=param, code=code)
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -132,52 +103,6 @@ class AppState:
             ("model", rt.sampling_defaults),
             ("built-in", built_in(max_tokens=self.settings.default_max_tokens)),
         ]
-
-
-# -- request parsing ---------------------------------------------------------------------
-
-
-async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise HttpError(413, f"request body is over the {limit} byte limit")
-    body = bytearray()
-    with trio.move_on_after(timeout_s) as deadline:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise HttpError(413, f"request body is over the {limit} byte limit")
-    if deadline.cancelled_caught:
-        raise HttpError(408, f"the request body did not arrive within {timeout_s:g} s")
-    try:
-        data = json_body.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise HttpError(400, "request body is not valid UTF-8") from None
-    except InvalidRequestError as exc:
-        raise _refusal(exc) from None
-    if not isinstance(data, dict):
-        raise HttpError(400, "request body must be a JSON object")
-    return data
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def parse(model: type[M], data: dict[str, Any]) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-
-
-def _validation_error(exc: ValidationError) -> HttpError:
-    """One error for the deepest parameter that failed (where a value failed each member of a
-    union, the member it got furthest into), with what each member expected there."""
-    params = [error_param(e["loc"]) for e in exc.errors()]
-    param = max(params, key=lambda p: 0 if p is None else p.count(".") + 1)
-    messages = [e["msg"] for e, p in zip(exc.errors(), params, strict=True) if p == param]
-    text = " or ".join(dict.fromkeys(messages))
-    return HttpError(400, f"{param}: {text}" if param else text, param=param)
 
 
 # -- generation --------------------------------------------------------------------------
@@ -263,24 +188,6 @@ class Exchange:
             f"{min(ttfts):.3f}s" if ttfts else "-",
             time.perf_counter() - self.started,
         )
-
-
-def _refusal(exc: Exception) -> HttpError:
-    match exc:
-        case InvalidRequestError():
-            return HttpError(400, exc.message, param=exc.param, code=exc.code)
-        case OverloadedError():
-            retry = max(1, round(exc.retry_after_s))
-            return HttpError(
-                503,
-                exc.message,
-                type="server_error",
-                code="overloaded",
-                headers={"Retry-After": str(retry)},
-            )
-        case RuntimeClosedError():
-            return HttpError(503, exc.message, type="server_error", code="shutting_down")
-    raise exc
 
 
 class Api:
@@ -370,7 +277,7 @@ class Api:
                 self.state.metrics.refusals.labels(exc.code).inc()
             if kind == "text" and isinstance(exc, ContextLengthExceededError):
                 exc.param = "prompt"  # the engine names a chat's field, "messages"
-            raise _refusal(exc) from None
+            raise refusal_error(exc) from None
         exchange = Exchange(
             request_id, kind, body.model, handles, rt.token_text, self.state.metrics, n=body.n
         )
@@ -401,9 +308,9 @@ class Api:
                     sessions.start_soon(collect, index, handle)
             nursery.cancel_scope.cancel()
 
-        failure = _first_failure(ex.outcomes)
+        failure = first_failure(ex.outcomes)
         if failure is not None:
-            error = _outcome_error(failure)
+            error = outcome_error(failure)
             ex.log(error.status)
             return JSONResponse(error.body, status_code=error.status, headers=headers)
         choices = [
@@ -498,20 +405,6 @@ async def _cancel_on_disconnect(receive: Receive, handles: list[SessionHandle]) 
         handle.cancel_nowait("consumer_closed")
 
 
-def _first_failure(outcomes: list[Outcome | None]) -> Outcome | None:
-    return next((o for o in outcomes if not isinstance(o, Completed)), None)
-
-
-def _outcome_error(outcome: Outcome | None) -> HttpError:
-    match outcome:
-        case Cancelled(reason=reason):
-            status, kind, code = OUTCOME_STATUS[reason]
-            return HttpError(status, f"the request was cancelled: {reason}", type=kind, code=code)
-        case Failed(code=code, message=message):
-            return HttpError(500, message, type="server_error", code=code)
-    return HttpError(500, "the request ended without an outcome", type="server_error")
-
-
 class EventStream:
     """An SSE response: chunks as the sessions produce them, then ``[DONE]``."""
 
@@ -579,9 +472,9 @@ class EventStream:
                     await self._write_event(write, chunk, 0, event)
         else:
             await self._merge(write, chunk)
-        failure = _first_failure(ex.outcomes)
+        failure = first_failure(ex.outcomes)
         if failure is not None:
-            await write(_outcome_error(failure).body)
+            await write(outcome_error(failure).body)
         elif self.include_usage:
             usage = ex.usage()
             await write(
