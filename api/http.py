@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import hmac
 import logging
-import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
-from contextlib import aclosing
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
-import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -28,23 +25,15 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_trio.actors.messages import (
-    Cancelled,
-    Completed,
-    Event,
-    Failed,
     GenerationRequest,
-    Outcome,
-    Progress,
-    TextDelta,
-    Usage,
-    describe,
 )
 from mlx_trio.api import openai_format as fmt
-from mlx_trio.api.http_errors import HttpError, first_failure, outcome_error, refusal_error
+from mlx_trio.api.http_errors import HttpError, refusal_error
+from mlx_trio.api.http_exchange import Exchange
 from mlx_trio.api.http_input import parse, read_json
+from mlx_trio.api.http_responses import EventStream, complete
 from mlx_trio.api.http_state import AppState, HttpSettings
-from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle
-from mlx_trio.api.metrics import Metrics
+from mlx_trio.api.inprocess import RuntimeHandle
 from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlx_trio.engine.errors import (
     ContextLengthExceededError,
@@ -53,98 +42,12 @@ from mlx_trio.engine.errors import (
     RuntimeClosedError,
     RuntimeRefusal,
 )
-from mlx_trio.engine.outputs import TokenLogprob
 from mlx_trio.engine.prompt import ChatMessage
 from mlx_trio.engine.sampling_defaults import (
     applied,
 )
 
 logger = logging.getLogger("mlx_trio.http")
-
-
-# -- generation --------------------------------------------------------------------------
-
-
-@dataclass
-class Exchange:
-    """One HTTP generation request: its sessions, the outcomes they record on the way (with
-    the metrics they feed), and its log line."""
-
-    request_id: str
-    kind: fmt.Kind
-    model: str
-    handles: list[SessionHandle]
-    token_text: Callable[[int], str]
-    metrics: Metrics
-    n: int = 1  # choices to a prompt: handles[p * n : (p + 1) * n] share prompt p
-    created: int = field(default_factory=lambda: int(time.time()))
-    started: float = field(default_factory=time.perf_counter)
-    outcomes: list[Outcome | None] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.outcomes = [None] * len(self.handles)
-
-    def usage(self, *, of: type | tuple[type, ...] = Completed) -> Usage:
-        """The usage of the sessions whose outcome is an ``of``: each prompt's tokens once,
-        every choice's completion tokens."""
-        usages = [o.usage if isinstance(o, of) else None for o in self.outcomes]
-        return fmt.sum_usage(usages, choices_per_prompt=self.n)
-
-    async def events(self, index: int, handle: SessionHandle) -> AsyncGenerator[Event, None]:
-        """Session ``index``'s events, recording its outcome and metrics on the way; where the
-        events end without the outcome (not sent to a slow reader), it is awaited and recorded.
-        Cancelled or closed early, the handle is closed (which cancels a session without an
-        outcome ``consumer_closed``) and no outcome is recorded."""
-        metrics = self.metrics
-        last_text_at: float | None = None
-        async with handle:
-            async for event in handle:
-                if isinstance(event, TextDelta):
-                    now = time.perf_counter()
-                    if last_text_at is not None:
-                        metrics.inter_token.observe(now - last_text_at)
-                    last_text_at = now
-                elif isinstance(event, Completed | Cancelled | Failed):
-                    self.outcomes[index] = event
-                    self._count(event)
-                yield event
-        if self.outcomes[index] is None:  # the handle was closed before its outcome arrived
-            self.outcomes[index] = outcome = await handle.result()
-            self._count(outcome)
-
-    def _count(self, outcome: Outcome) -> None:
-        metrics = self.metrics
-        endpoint = "chat" if self.kind == "chat" else "completions"
-        match outcome:
-            case Completed(usage=usage, timings=timings):
-                metrics.requests.labels(endpoint, "completed").inc()
-                metrics.prompt_tokens.inc(usage.prompt_tokens)
-                metrics.generated_tokens.inc(usage.completion_tokens)
-                if timings.ttft_s is not None:
-                    metrics.ttft.observe(timings.ttft_s)
-            case Cancelled(reason=reason, usage=usage):
-                metrics.requests.labels(endpoint, "cancelled").inc()
-                metrics.cancellations.labels(reason).inc()
-                metrics.generated_tokens.inc(usage.completion_tokens)
-            case Failed():
-                metrics.requests.labels(endpoint, "failed").inc()
-
-    def log(self, status: int) -> None:
-        """The request's one log line: its status, each choice's outcome, usage and timings."""
-        done = [o for o in self.outcomes if o is not None]
-        usage = self.usage(of=(Completed, Cancelled))
-        ttfts = [o.timings.ttft_s for o in done if isinstance(o, Completed) and o.timings.ttft_s]
-        summary = ",".join(describe(o) for o in done)
-        logger.info(
-            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.3fs",
-            self.request_id,
-            status,
-            summary,
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            f"{min(ttfts):.3f}s" if ttfts else "-",
-            time.perf_counter() - self.started,
-        )
 
 
 class Api:
@@ -243,56 +146,9 @@ class Api:
             return EventStream(exchange, self.state.live, body.include_usage, headers)
         self.state.live[request_id] = handles
         try:
-            return await self._complete(request, exchange, headers)
+            return await complete(request, exchange, headers)
         finally:
             del self.state.live[request_id]
-
-    async def _complete(self, request: Request, ex: Exchange, headers: dict[str, str]) -> Response:
-        texts = [""] * len(ex.handles)
-        logprobs: list[list[TokenLogprob] | None] = [None] * len(ex.handles)
-
-        async def collect(index: int, handle: SessionHandle) -> None:
-            async for event in ex.events(index, handle):
-                if isinstance(event, TextDelta):
-                    texts[index] += event.text
-                    if event.logprobs is not None:
-                        logprobs[index] = (logprobs[index] or []) + list(event.logprobs)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, request.receive, ex.handles)
-            async with trio.open_nursery() as sessions:
-                for index, handle in enumerate(ex.handles):
-                    sessions.start_soon(collect, index, handle)
-            nursery.cancel_scope.cancel()
-
-        failure = first_failure(ex.outcomes)
-        if failure is not None:
-            error = outcome_error(failure)
-            ex.log(error.status)
-            return JSONResponse(error.body, status_code=error.status, headers=headers)
-        choices = [
-            fmt.choice_body(
-                ex.kind,
-                i,
-                texts[i],
-                outcome.finish_reason if isinstance(outcome, Completed) else None,
-                fmt.logprobs_body(ex.kind, logprobs[i], ex.token_text),
-            )
-            for i, outcome in enumerate(ex.outcomes)
-        ]
-        usage = ex.usage()
-        ex.log(200)
-        return JSONResponse(
-            fmt.completion_body(
-                ex.kind,
-                request_id=ex.request_id,
-                created=ex.created,
-                model=ex.model,
-                choices=choices,
-                usage=usage,
-            ),
-            headers=headers,
-        )
 
     # -- the other endpoints ----------------------------------------------------------------
 
@@ -352,138 +208,6 @@ class Api:
         for handle in handles:
             handle.cancel_nowait("requested")
         return JSONResponse({"id": request_id, "object": "request.cancelled"})
-
-
-async def _cancel_on_disconnect(receive: Receive, handles: list[SessionHandle]) -> None:
-    """Wait for the client to go away; then cancel its sessions ``consumer_closed``."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    for handle in handles:
-        handle.cancel_nowait("consumer_closed")
-
-
-class EventStream:
-    """An SSE response: chunks as the sessions produce them, then ``[DONE]``."""
-
-    def __init__(
-        self,
-        exchange: Exchange,
-        live: dict[str, list[SessionHandle]],
-        include_usage: bool,
-        headers: dict[str, str],
-    ) -> None:
-        """``live``: the running requests by id, where this one is listed while it streams (so
-        that it can be cancelled by id)."""
-        self.ex = exchange
-        self.live = live
-        self.include_usage = include_usage
-        self.headers = headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex = self.ex
-        self.live[ex.request_id] = ex.handles
-        headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            *[(k.lower().encode(), v.encode()) for k, v in self.headers.items()],
-        ]
-        status = 200
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_disconnect, receive, ex.handles)
-                await self._stream(send)
-                nursery.cancel_scope.cancel()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:
-            status = 499
-            for handle in ex.handles:
-                handle.cancel_nowait("consumer_closed")
-        finally:
-            del self.live[ex.request_id]
-            ex.log(status)
-
-    async def _stream(self, send: Send) -> None:
-        ex = self.ex
-
-        async def write(data: dict[str, Any] | bytes) -> None:
-            body = data if isinstance(data, bytes) else fmt.sse(data)
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-
-        def chunk(index: int, **kwargs: Any) -> dict[str, Any]:
-            return fmt.chunk_body(
-                ex.kind,
-                request_id=ex.request_id,
-                created=ex.created,
-                model=ex.model,
-                index=index,
-                **kwargs,
-            )
-
-        if ex.kind == "chat":
-            for index in range(len(ex.handles)):
-                await write(chunk(index, role=True, text=""))
-        if len(ex.handles) == 1:  # the common case: no task between the session and the socket
-            async with aclosing(ex.events(0, ex.handles[0])) as events:
-                async for event in events:
-                    await self._write_event(write, chunk, 0, event)
-        else:
-            await self._merge(write, chunk)
-        failure = first_failure(ex.outcomes)
-        if failure is not None:
-            await write(outcome_error(failure).body)
-        elif self.include_usage:
-            usage = ex.usage()
-            await write(
-                fmt.usage_chunk(
-                    ex.kind,
-                    request_id=ex.request_id,
-                    created=ex.created,
-                    model=ex.model,
-                    usage=usage,
-                )
-            )
-        await write(fmt.SSE_DONE)
-
-    async def _merge(
-        self, write: Callable[[dict[str, Any] | bytes], Any], chunk: Callable[..., dict[str, Any]]
-    ) -> None:
-        """Write the events of several choices (``n`` > 1) as each session produces them."""
-        ex = self.ex
-        merged_send, merged = trio.open_memory_channel[tuple[int, Event]](0)
-
-        async def pump(index: int, handle: SessionHandle, out: trio.MemorySendChannel) -> None:
-            async with out:
-                async for event in ex.events(index, handle):
-                    await out.send((index, event))
-
-        async with trio.open_nursery() as nursery, merged:
-            async with merged_send:
-                for index, handle in enumerate(ex.handles):
-                    nursery.start_soon(pump, index, handle, merged_send.clone())
-            async for index, event in merged:
-                await self._write_event(write, chunk, index, event)
-
-    async def _write_event(
-        self,
-        write: Callable[[dict[str, Any] | bytes], Any],
-        chunk: Callable[..., dict[str, Any]],
-        index: int,
-        event: Event,
-    ) -> None:
-        ex = self.ex
-        match event:
-            case TextDelta(text=text, logprobs=records):
-                logprobs = fmt.logprobs_body(
-                    ex.kind, list(records) if records is not None else None, ex.token_text
-                )
-                await write(chunk(index, text=text, logprobs=logprobs))
-            case Progress(done=done, total=total):
-                await write(f": prefill {done}/{total}\n\n".encode())
-            case Completed(finish_reason=reason):
-                await write(
-                    chunk(index, text=None if ex.kind == "chat" else "", finish_reason=reason)
-                )
 
 
 # -- the app -----------------------------------------------------------------------------
