@@ -44,7 +44,7 @@ from mlx_trio.actors.messages import (
 )
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.actors.runtime import RuntimeConfig, RuntimeStatistics
-from mlx_trio.api.http import AppState
+from mlx_trio.api.http_state import AppState
 from mlx_trio.api.inprocess import RuntimeHandle, open_runtime
 from mlx_trio.api.server import ServeOptions, serve
 from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError

@@ -229,7 +229,7 @@ def _serve(args: argparse.Namespace) -> int:
     import trio
 
     from mlx_trio.actors.runtime import RuntimeConfig
-    from mlx_trio.api.http import HttpSettings
+    from mlx_trio.api.http_state import HttpSettings
     from mlx_trio.api.server import ServeOptions, serve
 
     if args.max_batch < 1:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -155,11 +154,3 @@ def usage_chunk(kind: Kind, *, request_id: str, created: int, model: str, usage:
         "choices": [],
         "usage": usage_body(usage),
     }
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
-
-
-SSE_DONE = sse("[DONE]")

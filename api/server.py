@@ -19,7 +19,8 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.actors.runtime import RuntimeConfig
-from mlx_trio.api.http import AppState, HttpSettings, build_app
+from mlx_trio.api.http import build_app
+from mlx_trio.api.http_state import AppState, HttpSettings
 from mlx_trio.api.inprocess import freeze_startup_heap, open_runtime
 from mlx_trio.engine.sampling_defaults import describe
 

@@ -16,7 +16,7 @@ import trio
 
 from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens, token_text
-from mlx_trio.api.http import HttpSettings
+from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions
 from tests.server_thread import ServerThread
 

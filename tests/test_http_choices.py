@@ -13,7 +13,7 @@ import pytest
 
 from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.actors.scripted import Script, ScriptedEngine
-from mlx_trio.api.http import HttpSettings
+from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions
 from tests.server_thread import ServerThread
 from tests.test_http import MODEL, chat_body, expected_text, stats, wait_for

@@ -17,7 +17,8 @@ import pytest
 
 from mlx_trio.actors.messages import GenerationRequest
 from mlx_trio.actors.scripted import ScriptedEngine
-from mlx_trio.api.http import AppState, HttpSettings, build_app
+from mlx_trio.api.http import build_app
+from mlx_trio.api.http_state import AppState, HttpSettings
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlx_trio.api.server import ServeOptions

@@ -1,0 +1,195 @@
+"""The HTTP endpoints (``Api``): chat and text completions, which check a request (model id,
+choices against ``max_n``), submit its sessions and hand them to a JSON or SSE answer; and
+``/v1/models``, ``/health``, ``/metrics``, ``/v1/stats`` and cancel by request id.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlx_trio.actors.messages import GenerationRequest
+from mlx_trio.api import openai_format as fmt
+from mlx_trio.api.http_errors import HttpError, refusal_error
+from mlx_trio.api.http_exchange import Exchange
+from mlx_trio.api.http_input import parse, read_json
+from mlx_trio.api.http_responses import EventStream, complete
+from mlx_trio.api.http_state import AppState, HttpSettings
+from mlx_trio.api.inprocess import RuntimeHandle
+from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
+from mlx_trio.engine.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    RuntimeClosedError,
+    RuntimeRefusal,
+)
+from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.sampling_defaults import applied
+
+
+class Api:
+    """The request handlers, over the app's state; ``build_app`` routes to them."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    @property
+    def settings(self) -> HttpSettings:
+        return self.state.settings
+
+    async def _read(self, request: Request) -> dict[str, Any]:
+        return await read_json(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
+
+    def _runtime(self) -> RuntimeHandle:
+        if self.state.runtime is None:
+            raise HttpError(503, "the model is loading", type="server_error", code="loading")
+        return self.state.runtime
+
+    async def chat(self, request: Request) -> Response:
+        body = parse(ChatCompletionRequest, await self._read(request))
+        return await self._generate(request, "chat", body, 1, lambda: [body.chat()])
+
+    async def completions(self, request: Request) -> Response:
+        body = parse(CompletionRequest, await self._read(request))
+        return await self._generate(request, "text", body, body.num_prompts, body.prompts)
+
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        """At most ``max_n`` choices (prompts x ``n``): each takes an admission slot."""
+        max_n = self.settings.max_n
+        if num_prompts == 1 and not 1 <= n <= max_n:
+            raise HttpError(400, f"n must be between 1 and {max_n}, got {n}", param="n")
+        if n < 1:
+            raise HttpError(400, f"n must be at least 1, got {n}", param="n")
+        if num_prompts > max_n:
+            raise HttpError(
+                400,
+                f"prompt may hold at most {max_n} prompts on this server, got {num_prompts}",
+                param="prompt",
+            )
+        if num_prompts * n > max_n:
+            raise HttpError(
+                400,
+                f"a request may ask for at most {max_n} choices (prompts x n) on this server, "
+                f"got {num_prompts} prompts x n={n}",
+                param="n",
+            )
+
+    async def _generate(
+        self,
+        request: Request,
+        kind: fmt.Kind,
+        body: ChatCompletionRequest | CompletionRequest,
+        num_prompts: int,
+        prompts: Callable[[], Sequence[str | tuple[ChatMessage, ...]]],
+    ) -> Response:
+        """``prompts`` (``num_prompts`` of them, each to get ``n`` choices) raises
+        ``InvalidRequestError`` for a bad prompt; it is called after the cheaper checks."""
+        rt = self._runtime()
+        if body.model not in (self.state.model_id, rt.model_id):
+            raise HttpError(
+                404,
+                f"The model '{body.model}' does not exist; this server serves '{rt.model_id}'",
+                param="model",
+                code="model_not_found",
+            )
+        self._check_choices(num_prompts, body.n)
+        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        timeout = body.timeout if body.timeout is not None else self.settings.request_timeout_s
+        try:
+            generations = [
+                GenerationRequest(
+                    prompt,
+                    body.params(
+                        default_max_tokens=self.settings.default_max_tokens,
+                        seed_offset=i,
+                        defaults=self.settings.sampling.over(rt.sampling_defaults),
+                    ),
+                    timeout_s=timeout,
+                    request_id=f"{request_id}/{p * body.n + i}",
+                )
+                for p, prompt in enumerate(prompts())
+                for i in range(body.n)
+            ]
+            handles = await rt.submit_all(generations)
+        except (InvalidRequestError, OverloadedError, RuntimeClosedError) as exc:
+            if isinstance(exc, RuntimeRefusal):  # labelled "overloaded" or "shutting_down"
+                self.state.metrics.refusals.labels(exc.code).inc()
+            if kind == "text" and isinstance(exc, ContextLengthExceededError):
+                exc.param = "prompt"  # the engine names a chat's field, "messages"
+            raise refusal_error(exc) from None
+        exchange = Exchange(
+            request_id, kind, body.model, handles, rt.token_text, self.state.metrics, n=body.n
+        )
+        headers = {"X-Request-Id": request_id}
+        if body.stream:
+            return EventStream(exchange, self.state.live, body.include_usage, headers)
+        self.state.live[request_id] = handles
+        try:
+            return await complete(request, exchange, headers)
+        finally:
+            del self.state.live[request_id]
+
+    # -- the other endpoints ----------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        ids = [self.state.model_id] if self.state.model_id else []
+        rt = self.state.runtime
+        defaults = applied(self.state.sampling_layers(rt)) if rt is not None else {}
+        extra = {
+            "sampling_defaults": {
+                name: {"value": value, "source": source}
+                for name, (value, source) in defaults.items()
+            }
+        }
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": i, "object": "model", "created": 0, "owned_by": "mlx-trio", **extra}
+                    for i in ids
+                ],
+            }
+        )
+
+    async def health(self, request: Request) -> Response:
+        stats = self.state.statistics()
+        if stats is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if not stats.is_healthy:
+            return JSONResponse(
+                {
+                    "status": "unhealthy",
+                    "engine_faults": stats.engine_faults,
+                    "stuck_steps": stats.stuck_steps,
+                },
+                status_code=503,
+            )
+        if stats.is_closed:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(
+            self.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    async def stats(self, request: Request) -> Response:
+        stats = self.state.statistics()
+        if stats is None:
+            raise HttpError(503, "the model is loading", type="server_error", code="loading")
+        return JSONResponse(asdict(stats))
+
+    async def cancel(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        handles = self.state.live.get(request_id)
+        if not handles:
+            raise HttpError(404, f"no running or queued request '{request_id}'", param="request_id")
+        for handle in handles:
+            handle.cancel_nowait("requested")
+        return JSONResponse({"id": request_id, "object": "request.cancelled"})

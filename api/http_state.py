@@ -1,0 +1,52 @@
+"""What the HTTP app serves from: its settings (``HttpSettings``, the edge's limits and
+sampling flags, fixed at start) and its state (``AppState``: the runtime once the model has
+loaded, the requests running by id, the metrics registry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlx_trio.actors.runtime import RuntimeStatistics
+from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle
+from mlx_trio.api.metrics import Metrics
+from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults, Source, built_in
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    """The HTTP edge's limits. ``max_n``: the choices one request may ask for, counted as
+    prompts x ``n`` (each choice takes an admission slot); more is refused with 400."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 2 * 1024 * 1024
+    max_n: int = 8
+    default_max_tokens: int = 512
+    sampling: SamplingDefaults = NO_DEFAULTS  # serve's flags: over the model's defaults
+    request_timeout_s: float | None = None
+    body_timeout_s: float = 30.0
+
+
+@dataclass
+class AppState:
+    """What the app serves from; ``runtime`` is None while the model loads."""
+
+    settings: HttpSettings
+    runtime: RuntimeHandle | None = None
+    model_id: str | None = None
+    live: dict[str, list[SessionHandle]] = field(default_factory=dict)
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.statistics)
+
+    def statistics(self) -> RuntimeStatistics | None:
+        return self.runtime.statistics() if self.runtime else None
+
+    def sampling_layers(self, rt: RuntimeHandle) -> list[tuple[Source, SamplingDefaults]]:
+        """What a request's omitted sampling fields get, highest precedence first."""
+        return [
+            ("flag", self.settings.sampling),
+            ("model", rt.sampling_defaults),
+            ("built-in", built_in(max_tokens=self.settings.default_max_tokens)),
+        ]
