@@ -134,6 +134,7 @@ def run_http(plan: FaultPlan) -> ChaosReport:
     return trio.run(partial(run_scripted, plan, http=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_client_fault_over_http_keeps_every_invariant(seed):
     plan = FaultPlan.generate(seed, 40, CLIENT_KINDS)
@@ -148,6 +149,7 @@ def test_every_client_fault_over_http_keeps_every_invariant(seed):
     assert "over HTTP" in report.table()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_engine_faults_over_http_keep_every_invariant(seed):
     report = run_http(FaultPlan.generate(seed, 40, ENGINE_FAULTS))
@@ -159,6 +161,7 @@ def test_engine_faults_over_http_keep_every_invariant(seed):
     assert report.run.health_status == 503
 
 
+@pytest.mark.slow
 def test_shutdown_and_a_burst_over_http_keep_every_invariant():
     report = run_http(FaultPlan.generate(4, 40, ("shutdown", "burst", "disconnect", "cancel")))
     assert report.ok, report.table()
@@ -166,6 +169,7 @@ def test_shutdown_and_a_burst_over_http_keep_every_invariant():
     assert report.run.health_status == 503  # shut down
 
 
+@pytest.mark.slow
 def test_the_http_harness_catches_a_leak():
     plan = FaultPlan.generate(3, 40, ("consumer_close", "cancel"))
 
@@ -193,6 +197,7 @@ def restore_logging() -> Iterator[None]:
         logging.getLogger(name).setLevel(level)
 
 
+@pytest.mark.slow
 def test_a_broken_invariant_over_http_exits_1(monkeypatch, capsys, restore_logging):
     monkeypatch.setattr("mlx_trio.actors.scripted.ScriptedEngine", LeakyEngine)
     argv = ["chaos", "--http", "--seed", "3", "--requests", "40", "--faults", "consumer_close"]
@@ -200,6 +205,7 @@ def test_a_broken_invariant_over_http_exits_1(monkeypatch, capsys, restore_loggi
     assert "| quiescent: nothing held | NO |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_chaos_command_over_http_prints_the_table_and_exits_0():
     result = chaos_command("--http", "--requests", "60", "--seed", "3")
     assert "requests, over HTTP" in result.stdout
