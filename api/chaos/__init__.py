@@ -19,30 +19,19 @@ plan implies:
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field, replace
-from functools import partial
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-import httpx
 import trio
 
 from mlx_trio.actors.batch_group import MAX_STEPS_PER_CALL
 from mlx_trio.actors.faulty import FaultyEngine, RowFault, StepFault
-from mlx_trio.actors.messages import (
-    Cancelled,
-    Completed,
-    Failed,
-    GenerationRequest,
-    TextDelta,
-    describe,
-)
 from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.runtime import RuntimeConfig, RuntimeStatistics
+from mlx_trio.actors.runtime import RuntimeConfig
+from mlx_trio.api.chaos.client import Client, InProcessClient, open_in_process
+from mlx_trio.api.chaos.http_client import HttpClient, open_over_http
 from mlx_trio.api.chaos.plan import (
     CLIENT_KINDS,
     ENGINE_KINDS,
@@ -54,11 +43,7 @@ from mlx_trio.api.chaos.plan import (
     RequestPlan,
     TimedFault,
 )
-from mlx_trio.api.http import AppState
-from mlx_trio.api.inprocess import RuntimeHandle, open_runtime
-from mlx_trio.api.server import ServeOptions, serve
-from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
-from mlx_trio.engine.outputs import PromptCacheStatistics
+from mlx_trio.api.chaos.results import HealthProbe, RequestResult, RunResult
 
 __all__ = [
     "CLIENT_KINDS",
@@ -92,77 +77,6 @@ logger = logging.getLogger(__name__)
 # -- running a plan -----------------------------------------------------------------------
 
 
-@dataclass
-class RequestResult:
-    """What one request's client saw.
-
-    ``outcome``: the outcome as :func:`describe` writes it (``completed:length``), or None if the
-    client never saw one. ``tokens``: None where the client cannot see token ids (over HTTP).
-    ``unseen``: the client hung up on purpose before its outcome came, so it never learns it.
-    ``truncated``: an HTTP stream ended without ``data: [DONE]`` although the client stayed.
-    ``acted``: the client acted out its fault (its request finished first, or was refused: no).
-    """
-
-    plan: RequestPlan
-    refused: str | None = None
-    refused_when_full: bool = True
-    outcome: str | None = None
-    outcomes_seen: int = 0
-    text: str = ""
-    tokens: list[int] | None = field(default_factory=list)
-    unseen: bool = False
-    truncated: bool = False
-    acted: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class HealthProbe:
-    """What the runtime said of its health, polled during the run, once the first injected
-    hang's watchdog had fired: its statistics and, over HTTP, /health's status code."""
-
-    stuck_steps: int
-    is_healthy: bool
-    health_status: int | None
-
-
-@dataclass
-class RunResult:
-    plan: FaultPlan
-    requests: list[RequestResult]
-    statistics: RuntimeStatistics
-    injections: Counter[str]
-    touched: dict[int, set[str]]
-    engine_rows: int
-    client: str = "in-process"
-    health_status: int | None = None  # GET /health's status code, over HTTP
-    hang_probe: HealthProbe | None = None
-
-    @property
-    def injected(self) -> Counter[str]:
-        """Per fault kind, how many were injected: engine faults that fired, client faults
-        acted out, burst requests sent, the shutdown."""
-        counts = Counter(self.injections)
-        counts.update(r.plan.client.kind for r in self.requests if r.plan.client and r.acted)
-        counts["burst"] = sum(r.plan.in_burst for r in self.requests)
-        counts["shutdown"] = int(self.plan.shutdown_at_s is not None)
-        return +counts
-
-
-class Client(Protocol):
-    """How the plan's requests reach the runtime: the in-process API or real HTTP clients."""
-
-    name: str
-
-    async def drive(self, plan: RequestPlan, result: RequestResult) -> None:
-        """Send one request now, act out its client fault, and record what it saw."""
-
-    async def shutdown(self) -> None:
-        """Shut the runtime down (close admission, grace, cancel the rest) as a signal would."""
-
-    async def observe(self) -> tuple[RuntimeStatistics, int | None]:
-        """The runtime's statistics, and /health's status code where there is one."""
-
-
 async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) -> RunResult:
     """Drive ``plan`` on ``inner`` wrapped with the plan's faults: through the in-process API,
     or (``http``) through real HTTP clients against the real server, in real time."""
@@ -172,7 +86,7 @@ async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) ->
     carriers = _Carriers(engine, [*row_faults, *plan.client_faults])
     step_faults = [f for f in plan.engine_faults if f.kind not in ROW_FAULT_KINDS]
     probes: list[HealthProbe] = []
-    connect = _over_http if http else _in_process
+    connect = open_over_http if http else open_in_process
     async with connect(engine, plan.config) as client:
         async with trio.open_nursery() as injector:
             injector.start_soon(_inject_step_faults, engine, step_faults, client, plan, probes)
@@ -292,241 +206,6 @@ async def _probe_health(client: Client, config: RuntimeConfig, probes: list[Heal
         if stats.stuck_steps or trio.current_time() >= deadline:
             return
         await trio.sleep(config.step_timeout_s / 10)
-
-
-# -- in process ---------------------------------------------------------------------------
-
-
-@asynccontextmanager
-async def _in_process(engine: EnginePort, config: RuntimeConfig) -> AsyncIterator[Client]:
-    async with open_runtime(engine=engine, config=config) as rt:
-        yield InProcessClient(rt)
-
-
-class InProcessClient:
-    name = "in-process"
-
-    def __init__(self, rt: RuntimeHandle) -> None:
-        self.rt = rt
-
-    async def shutdown(self) -> None:
-        await self.rt.shutdown()
-
-    async def observe(self) -> tuple[RuntimeStatistics, int | None]:
-        return self.rt.statistics(), None
-
-    async def drive(self, plan: RequestPlan, result: RequestResult) -> None:
-        client = plan.client
-        timeout = client.delay_s if client and client.kind == "deadline" else None
-        request = GenerationRequest(
-            plan.prompt,
-            # The model's defaults for the rest, as the HTTP server gives a body that omits
-            # them.
-            self.rt.sampling_defaults.params(
-                temperature=plan.temperature, max_tokens=plan.max_tokens
-            ),
-            reproducible=plan.reproducible,
-            timeout_s=timeout,
-            request_id=f"req-{plan.number}",
-        )
-        try:
-            handle = await self.rt.submit(request)
-        except (OverloadedError, RuntimeClosedError) as exc:
-            result.refused = exc.code
-            if isinstance(exc, OverloadedError):
-                config = self.rt.config
-                result.refused_when_full = (
-                    exc.live >= config.live_limit and exc.queued >= config.max_queued
-                )
-            return
-        tokens: list[int] = []
-        result.tokens = tokens
-        result.acted = timeout is not None  # the deadline went with the request
-        events = 0
-        async with handle:
-            async for event in handle:
-                if isinstance(event, Completed | Cancelled | Failed):
-                    result.outcomes_seen += 1
-                    break
-                events += 1
-                if isinstance(event, TextDelta):
-                    result.text += event.text
-                    tokens.extend(event.token_ids)
-                if client is None or events <= client.after_events:
-                    continue
-                result.acted = True
-                match client.kind:
-                    case "slow_reader":
-                        await trio.sleep(client.delay_s)
-                    case "consumer_stall":
-                        break  # stop reading, keep the channel open
-                    case "consumer_close" | "disconnect":
-                        await handle.aclose()
-                        break
-                    case "cancel":
-                        await handle.cancel()
-                        break
-            result.outcome = describe(await handle.result())
-
-
-# -- over HTTP ----------------------------------------------------------------------------
-
-# The error codes of the HTTP API (api/http.py) back to the outcomes they report. Written out
-# rather than derived from the server's table, so that the harness checks that mapping too.
-HTTP_ERROR_OUTCOME = {
-    "request_timeout": "cancelled:deadline",
-    "shutting_down": "cancelled:shutdown",
-    "engine_timeout": "cancelled:engine_fault",
-    "engine_fault": "failed:engine_fault",
-    "client_idle": "cancelled:consumer_idle",
-    "request_cancelled": "cancelled:requested",
-    "client_closed": "cancelled:consumer_closed",
-}
-HTTP_REFUSALS = ("overloaded", "shutting_down")
-
-
-@asynccontextmanager
-async def _over_http(engine: EnginePort, config: RuntimeConfig) -> AsyncIterator[Client]:
-    """The real server (Hypercorn on a loopback port) on ``engine``, and an HTTP client pool."""
-    options = ServeOptions(host="127.0.0.1", port=0, handle_signals=False, runtime=config)
-    state = AppState(options.http)
-    stop = trio.Event()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    timeout = httpx.Timeout(60.0, connect=30.0)
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(
-            partial(serve, options, engine=engine, shutdown=stop, state=state)
-        )
-        try:
-            async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
-                with trio.fail_after(60):
-                    while (await http.get("/health")).status_code != 200:
-                        await trio.sleep(0.05)
-                yield HttpClient(http, state, config)
-        finally:
-            stop.set()
-
-
-def _runtime_statistics(data: dict[str, Any]) -> RuntimeStatistics:
-    """Rebuild :class:`RuntimeStatistics` from GET /v1/stats (``asdict`` of it)."""
-    cache = data.get("prompt_cache")
-    return RuntimeStatistics(
-        **{**data, "prompt_cache": PromptCacheStatistics(**cache) if cache else None}
-    )
-
-
-class HttpClient:
-    """Each request is a streaming ``POST /v1/completions``; client faults are acted out on the
-    connection: read slowly, stop reading for a while, hang up, cancel by id."""
-
-    name = "over HTTP"
-
-    def __init__(self, http: httpx.AsyncClient, state: AppState, config: RuntimeConfig) -> None:
-        self.http = http
-        self.state = state
-        # Long enough to trip the idle timeout if the server's writes block on a full socket;
-        # small outputs sit in the socket buffers, though, so the session usually completes.
-        self.stall_s = config.idle_timeout_s * 1.5
-
-    async def shutdown(self) -> None:
-        # What serve does on SIGTERM, except that the server keeps answering: quiescence can
-        # still be checked over HTTP, and new requests get 503 shutting_down.
-        assert self.state.runtime is not None
-        await self.state.runtime.shutdown()
-
-    async def observe(self) -> tuple[RuntimeStatistics, int | None]:
-        stats = await self.http.get("/v1/stats")
-        stats.raise_for_status()
-        health = await self.http.get("/health")
-        return _runtime_statistics(stats.json()), health.status_code
-
-    async def drive(self, plan: RequestPlan, result: RequestResult) -> None:
-        result.tokens = None  # the API streams text, not token ids
-        body: dict[str, Any] = {
-            "model": self.state.model_id,
-            "prompt": plan.prompt,
-            "max_tokens": plan.max_tokens,
-            "temperature": plan.temperature,
-            "stream": True,
-        }
-        if plan.client is not None and plan.client.kind == "deadline":
-            body["timeout"] = plan.client.delay_s
-        try:
-            async with self.http.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code == 200:
-                    result.acted = "timeout" in body  # the deadline went with the request
-                    await self._read(response, plan.client, result)
-                else:
-                    await self._refused(response, result)
-        except (httpx.HTTPError, ValueError, LookupError, TypeError) as exc:
-            # The connection broke, or a chunk is not what the API promises: the check flags
-            # the request (truncated) rather than the whole run crashing.
-            if not result.unseen:
-                result.truncated = True
-                logger.warning("req %d: the stream broke: %r", plan.number, exc)
-
-    async def _read(
-        self, response: httpx.Response, fault: ClientFault | None, result: RequestResult
-    ) -> None:
-        """Read the SSE stream to ``[DONE]``, acting out the client fault on the way."""
-        request_id = response.headers.get("x-request-id", "")
-        events = 0
-        acted = False
-        async with aclosing(response.aiter_lines()) as lines:
-            async for line in lines:
-                if line.startswith("data: "):
-                    payload = line.removeprefix("data: ")
-                    if payload == "[DONE]":
-                        return
-                    outcome = self._chunk(json.loads(payload), result)
-                    if outcome is not None:
-                        result.outcome = outcome
-                        result.outcomes_seen += 1
-                        continue
-                elif not line.startswith(":"):  # ": prefill" comments count as events too
-                    continue
-                events += 1
-                if fault is None or events <= fault.after_events:
-                    continue
-                result.acted = True
-                match fault.kind:
-                    case "slow_reader":
-                        await trio.sleep(fault.delay_s)
-                    case "consumer_stall" if not acted:
-                        acted = True
-                        await trio.sleep(self.stall_s)  # then read on
-                    case "cancel" if not acted:
-                        acted = True
-                        await self.http.post(f"/v1/requests/{request_id}/cancel")
-                    case "consumer_close" | "disconnect":
-                        result.unseen = True
-                        return  # leaving the stream's context closes the connection
-        result.truncated = True
-
-    @staticmethod
-    def _chunk(data: dict[str, Any], result: RequestResult) -> str | None:
-        """Take a chunk's text; return the outcome it reports, if any."""
-        if "error" in data:
-            code = data["error"].get("code")
-            return HTTP_ERROR_OUTCOME.get(code, f"failed:{code}")
-        choice = data["choices"][0]
-        result.text += choice.get("text") or ""
-        reason = choice.get("finish_reason")
-        return f"completed:{reason}" if reason is not None else None
-
-    @staticmethod
-    async def _refused(response: httpx.Response, result: RequestResult) -> None:
-        """A reply before any streaming: a refusal (503), or an outcome the check will flag."""
-        await response.aread()
-        try:
-            code = response.json()["error"]["code"]
-        except (ValueError, KeyError, TypeError):
-            code = None
-        if response.status_code == 503 and code in HTTP_REFUSALS:
-            result.refused = code  # whether the gate was full cannot be seen from here
-        else:
-            result.outcome = f"failed:http {response.status_code} {code}"
-            result.outcomes_seen += 1
 
 
 # -- the invariants -----------------------------------------------------------------------
