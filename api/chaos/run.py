@@ -1,0 +1,211 @@
+"""Running a chaos plan: :func:`run_plan` drives a plan's requests through a client over a
+:class:`~mlx_trio.actors.faulty.FaultyEngine`, puts each fault in when it is due (step faults
+into the next batch step, row and client faults onto the next request sent, moved on if they
+did not take), and probes the runtime's health after the first hang. :func:`run_scripted` and
+:func:`run_on_model` run a plan on the scripted engine or a real model and check it."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import Counter
+from dataclasses import replace
+
+import trio
+
+from mlx_trio.actors.batch_group import MAX_STEPS_PER_CALL
+from mlx_trio.actors.faulty import FaultyEngine, RowFault, StepFault
+from mlx_trio.actors.port import EnginePort
+from mlx_trio.actors.runtime import RuntimeConfig
+from mlx_trio.api.chaos.client import Client, open_in_process
+from mlx_trio.api.chaos.http_client import open_over_http
+from mlx_trio.api.chaos.invariants import Expected, check
+from mlx_trio.api.chaos.plan import (
+    ROW_FAULT_KINDS,
+    ClientFault,
+    FaultPlan,
+    RequestPlan,
+    TimedFault,
+)
+from mlx_trio.api.chaos.report import ChaosReport
+from mlx_trio.api.chaos.results import HealthProbe, RequestResult, RunResult
+
+logger = logging.getLogger(__name__)
+
+
+async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) -> RunResult:
+    """Drive ``plan`` on ``inner`` wrapped with the plan's faults: through the in-process API,
+    or (``http``) through real HTTP clients against the real server, in real time."""
+    engine = FaultyEngine(inner)
+    results = {r.number: RequestResult(r) for r in plan.requests}
+    row_faults = [f for f in plan.engine_faults if f.kind in ROW_FAULT_KINDS]
+    carriers = _Carriers(engine, [*row_faults, *plan.client_faults])
+    step_faults = [f for f in plan.engine_faults if f.kind not in ROW_FAULT_KINDS]
+    probes: list[HealthProbe] = []
+    connect = open_over_http if http else open_in_process
+    async with connect(engine, plan.config) as client:
+        async with trio.open_nursery() as injector:
+            injector.start_soon(_inject_step_faults, engine, step_faults, client, plan, probes)
+            async with trio.open_nursery() as clients:
+                for request in plan.requests:
+                    clients.start_soon(_start, client, request, results[request.number], carriers)
+                if plan.shutdown_at_s is not None:
+                    await trio.sleep(plan.shutdown_at_s)
+                    await client.shutdown()
+            injector.cancel_scope.cancel()  # faults due after the workload ended never come
+        # Quiescence is checked while the runtime still runs: shutdown must not hide a leak.
+        await trio.sleep(plan.config.step_timeout_s)
+        stats, health = await client.observe()
+        engine_rows = getattr(inner, "num_rows", 0)
+    touched: dict[int, set[str]] = {}
+    for injection in engine.injections:
+        for number in injection.requests:
+            touched.setdefault(number, set()).add(injection.kind)
+    injected = Counter(i.kind for i in engine.injections)
+    return RunResult(
+        plan,
+        list(results.values()),
+        stats,
+        injected,
+        touched,
+        engine_rows,
+        client.name,
+        health,
+        probes[0] if probes else None,
+    )
+
+
+async def _start(
+    client: Client, plan: RequestPlan, result: RequestResult, carriers: _Carriers
+) -> None:
+    await trio.sleep(plan.start_s)
+    result.plan, fault = carriers.claim(plan)
+    await client.drive(result.plan, result)
+    if fault is not None:
+        carriers.settle(fault, result)
+
+
+RequestFault = TimedFault | ClientFault
+
+
+class _Carriers:
+    """The plan's row and client faults waiting for a request to carry them: the rule is in
+    :class:`TimedFault`'s docstring."""
+
+    def __init__(self, engine: FaultyEngine, faults: list[RequestFault]) -> None:
+        self._engine = engine
+        self._waiting = sorted(faults, key=_due)
+
+    def claim(self, request: RequestPlan) -> tuple[RequestPlan, RequestFault | None]:
+        """``request``, sent now, with the first fault due that it can carry, and that fault."""
+        if request.in_burst:
+            return request, None
+        for fault in self._waiting:
+            if fault.at_s > request.start_s:
+                break
+            if fault.kind == "add_error" and request.reproducible:
+                continue  # the serial lane adds no batch row
+            self._waiting.remove(fault)
+            if isinstance(fault, ClientFault):
+                return replace(request, client=fault), fault
+            # A sampler fault at the first token: a model may stop at the next.
+            self._engine.inject(RowFault(fault.kind, request.number, at_token=0))  # type: ignore[arg-type]
+            return request, fault
+        return request, None
+
+    def settle(self, fault: RequestFault, result: RequestResult) -> None:
+        """``result``'s request has ended: if its fault did not take, the next request gets it."""
+        number = result.plan.number
+        if isinstance(fault, ClientFault):
+            took = result.acted
+        else:
+            took = any(
+                i.kind == fault.kind and number in i.requests for i in self._engine.injections
+            )
+        if not took:
+            logger.info("%s did not take in request %d: moving it on", fault.kind, number)
+            bisect.insort(self._waiting, fault, key=_due)
+
+
+def _due(fault: RequestFault) -> float:
+    return fault.at_s
+
+
+async def _inject_step_faults(
+    engine: FaultyEngine,
+    faults: list[TimedFault],
+    client: Client,
+    plan: FaultPlan,
+    probes: list[HealthProbe],
+) -> None:
+    """Put each step fault into the next batch step when its time comes; after the first hang,
+    poll the runtime's health until its watchdog has fired. Cancelled when the workload ends."""
+    start = trio.current_time()
+    probing = False
+    async with trio.open_nursery() as nursery:
+        for fault in sorted(faults, key=lambda f: f.at_s):
+            await trio.sleep_until(start + fault.at_s)
+            step = engine.num_batch_steps + 1
+            engine.inject(StepFault(fault.kind, step, slow_s=fault.slow_s))  # type: ignore[arg-type]
+            if fault.kind == "step_hang" and not probing:
+                probing = True
+                nursery.start_soon(_probe_health, client, plan.config, probes)
+
+
+async def _probe_health(client: Client, config: RuntimeConfig, probes: list[HealthProbe]) -> None:
+    """Poll until a stuck step shows in the statistics (the hang starts at the next batch step
+    and lasts a watchdog period per step in its call); ``probes`` holds the latest answer."""
+    deadline = trio.current_time() + config.step_timeout_s * (MAX_STEPS_PER_CALL + 2)
+    while True:
+        stats, health = await client.observe()
+        probes[:] = [HealthProbe(stats.stuck_steps, stats.is_healthy, health)]
+        if stats.stuck_steps or trio.current_time() >= deadline:
+            return
+        await trio.sleep(config.step_timeout_s / 10)
+
+
+def scripted_reference(plan: RequestPlan) -> Expected:
+    """The tokens and text the scripted engine gives a request with no fault."""
+    from mlx_trio.actors.scripted import expected_tokens, token_text
+
+    tokens = expected_tokens(tuple(ord(c) for c in plan.prompt), plan.max_tokens)
+    return Expected(tokens, "".join(token_text(t) for t in tokens))
+
+
+async def run_scripted(plan: FaultPlan, *, step_s: float = 0.01, http: bool = False) -> ChaosReport:
+    """Run a plan on the scripted engine (in-process: use a MockClock for speed; over HTTP it
+    runs in real time, as sockets need)."""
+    from mlx_trio.actors.scripted import Script, ScriptedEngine
+
+    run = await run_plan(plan, ScriptedEngine(Script(step_s=step_s)), http=http)
+    return ChaosReport(run, check(run, scripted_reference))
+
+
+async def run_on_model(
+    plan: FaultPlan, model: str | None, *, device: str = "auto", http: bool = False
+) -> ChaosReport:
+    """Run a plan on a real model: a fault-free pass (in-process) first gives the reference
+    tokens and text; then the plan runs on the same engine, in-process or over HTTP."""
+    from mlx_trio.engine.thread import EngineThread
+    from mlx_trio.engine.threaded import ThreadedEngine
+
+    with EngineThread() as thread:
+        engine = await ThreadedEngine.load(
+            thread, model, device=device, max_batch=plan.config.max_batch
+        )
+        # Every request, burst included (a queue long enough that none is refused), no fault.
+        calm = replace(
+            plan,
+            engine_faults=(),
+            client_faults=(),
+            shutdown_at_s=None,
+            config=replace(plan.config, max_queued=len(plan.requests)),
+        )
+        baseline = await run_plan(calm, engine)
+        expected = {
+            r.plan.number: Expected(r.tokens or [], r.text)
+            for r in baseline.requests
+            if r.outcome is not None
+        }
+        run = await run_plan(plan, engine, http=http)
+    return ChaosReport(run, check(run, lambda p: expected.get(p.number, Expected([], ""))))
