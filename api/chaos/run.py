@@ -32,6 +32,8 @@ from mlx_trio.api.chaos.results import HealthProbe, RequestResult, RunResult
 
 logger = logging.getLogger(__name__)
 
+MODEL_STEP_TIMEOUT_S = 10.0
+
 
 async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) -> RunResult:
     """Drive ``plan`` on ``inner`` wrapped with the plan's faults: through the in-process API,
@@ -185,10 +187,14 @@ async def run_on_model(
     plan: FaultPlan, model: str | None, *, device: str = "auto", http: bool = False
 ) -> ChaosReport:
     """Run a plan on a real model: a fault-free pass (in-process) first gives the reference
-    tokens and text; then the plan runs on the same engine, in-process or over HTTP."""
+    tokens and text; then the plan runs on the same engine, in-process or over HTTP. The step
+    watchdog is at least ``MODEL_STEP_TIMEOUT_S``: a plan's 1 s suits the scripted engine's
+    steps, while a real model's prefill on a busy 2-core machine can take longer."""
     from mlx_trio.engine.thread import EngineThread
     from mlx_trio.engine.threaded import ThreadedEngine
 
+    watchdog = max(plan.config.step_timeout_s, MODEL_STEP_TIMEOUT_S)
+    plan = replace(plan, config=replace(plan.config, step_timeout_s=watchdog))
     with EngineThread() as thread:
         engine = await ThreadedEngine.load(
             thread, model, device=device, max_batch=plan.config.max_batch
@@ -202,10 +208,18 @@ async def run_on_model(
             config=replace(plan.config, max_queued=len(plan.requests)),
         )
         baseline = await run_plan(calm, engine)
+        # Only what the fault-free pass completed is a reference: on a loaded machine its own
+        # steps can outlast the watchdog, and a cut-short request's tokens are no reference.
         expected = {
             r.plan.number: Expected(r.tokens or [], r.text)
             for r in baseline.requests
-            if r.outcome is not None
+            if r.outcome is not None and r.outcome.startswith("completed:")
         }
+        if len(expected) < len(baseline.requests):
+            logger.warning(
+                "the fault-free pass completed %d of %d requests; the rest have no reference",
+                len(expected),
+                len(baseline.requests),
+            )
         run = await run_plan(plan, engine, http=http)
-    return ChaosReport(run, check(run, lambda p: expected.get(p.number, Expected([], ""))))
+    return ChaosReport(run, check(run, lambda p: expected.get(p.number)))
