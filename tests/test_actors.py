@@ -1,5 +1,6 @@
-"""The admission gate and the engine arbiter on their own channels, under Trio's MockClock: each
-actor's rules as a caller of its inbox sees them, with no runtime around it."""
+"""The admission gate, the engine arbiter and the batch group on their own channels, under
+Trio's MockClock: each actor's rules as a caller of its inbox sees them, with no runtime around
+it (the test plays the arbiter for the batch group, over the scripted engine)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import trio.testing
 from mlx_trio.actors import gate
 from mlx_trio.actors.arbiter import (
     Acquire,
+    ArbiterMessage,
     DrainCalledOff,
     DrainRequested,
     EngineArbiter,
@@ -21,7 +23,12 @@ from mlx_trio.actors.arbiter import (
     ReleaseLease,
     acquire,
 )
+from mlx_trio.actors.batch_group import AddRow, BatchGroup
+from mlx_trio.actors.lanes import SessionInbox
+from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens
 from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
+from mlx_trio.engine.outputs import RowOutput
+from mlx_trio.engine.params import SamplingParams
 
 
 @asynccontextmanager
@@ -137,3 +144,69 @@ async def test_releasing_a_lease_not_held_is_a_bug(autojump_clock):
             await arbiter.inbox.send(ReleaseLease(Lease(99, "serial")))
             await trio.sleep(1)
     assert info.group_contains(AssertionError, match=r"^released Lease\(number=99")
+
+
+# -- the batch group ----------------------------------------------------------------------
+
+
+def expected(prompt: str, n: int) -> list[int]:
+    return expected_tokens(tuple(ord(c) for c in prompt), n)
+
+
+async def collect_row(inbox: SessionInbox) -> tuple[list[int], str | None]:
+    """A session's reading: the row's tokens, and its finish reason."""
+    tokens: list[int] = []
+    while (event := await inbox.receive()) is not None:
+        inbox.handled()
+        if isinstance(event, RowOutput):
+            tokens += event.delta.token_ids
+            if event.stats is not None:
+                return tokens, event.delta.finish_reason
+    return tokens, None
+
+
+async def test_the_batch_group_asks_for_the_lease_serves_rows_and_gives_it_back(autojump_clock):
+    engine = ScriptedEngine(Script(step_s=0.01))
+    arbiter_send, arbiter_recv = trio.open_memory_channel[ArbiterMessage](8)
+    group = BatchGroup(engine, arbiter_send, max_batch=4, step_timeout_s=5, inbox_size=16)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(group.run)
+        inboxes = [SessionInbox(lambda event: False, 16) for _ in range(3)]
+        for text, inbox in zip(("a", "bb", "ccc"), inboxes, strict=True):
+            await group.inbox.send(AddRow(await engine.prepare(text, params), inbox))
+        ask = await arbiter_recv.receive()
+        assert isinstance(ask, Acquire) and ask.kind == "batch"
+        ask.grant.send_nowait(Lease(7, "batch"))
+        results = [await collect_row(inbox) for inbox in inboxes]
+        assert results == [(expected(text, 6), "length") for text in ("a", "bb", "ccc")]
+        assert await arbiter_recv.receive() == ReleaseLease(Lease(7, "batch"))  # empty: back
+        assert group.statistics().rows_submitted == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_draining_batch_group_admits_nothing_new_and_hands_the_lease_back(
+    autojump_clock,
+):
+    engine = ScriptedEngine(Script(step_s=0.01))
+    arbiter_send, arbiter_recv = trio.open_memory_channel[ArbiterMessage](8)
+    group = BatchGroup(engine, arbiter_send, max_batch=4, step_timeout_s=5, inbox_size=16)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(group.run)
+        running = SessionInbox(lambda event: False, 64)
+        long = SamplingParams(temperature=0, max_tokens=20)
+        await group.inbox.send(AddRow(await engine.prepare("running", long), running))
+        (await arbiter_recv.receive()).grant.send_nowait(Lease(1, "batch"))
+        await trio.sleep(0.05)  # a few steps in
+        await group.inbox.send(DrainRequested())
+        late = SessionInbox(lambda event: False, 64)
+        short = SamplingParams(temperature=0, max_tokens=2)
+        await group.inbox.send(AddRow(await engine.prepare("late", short), late))
+        assert await collect_row(running) == (expected("running", 20), "length")
+        assert await arbiter_recv.receive() == ReleaseLease(Lease(1, "batch"))
+        assert group.statistics().rows_submitted == 1  # the late row waited out the drain
+        again = await arbiter_recv.receive()  # then the group asks again for it
+        assert isinstance(again, Acquire)
+        again.grant.send_nowait(Lease(2, "batch"))
+        assert await collect_row(late) == (expected("late", 2), "length")
+        nursery.cancel_scope.cancel()
