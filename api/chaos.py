@@ -986,8 +986,7 @@ async def run_on_model(
 ) -> ChaosReport:
     """Run a plan on a real model: a fault-free pass (in-process) first gives the reference
     tokens and text; then the plan runs on the same engine, in-process or over HTTP."""
-    from mlx_trio.engine.thread import EngineThread
-    from mlx_trio.engine.threaded import ThreadedEngine
+    from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 
     with EngineThread() as thread:
         engine = await ThreadedEngine.load(
