@@ -97,7 +97,9 @@ class ProcessTransport:
                 try:
                     await self._stream.send_all(frame)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    self._fail(f"the engine process is gone ({type(exc).__name__})")
+                    # The same failure whether this or the reader sees the child gone first.
+                    code = await self._exit_code()
+                    self._fail(f"the engine process exited (exit code {code})")
                     raise EngineProcessError(self._failure) from exc
 
     async def _receive(self) -> Reply[Any] | None:
