@@ -23,27 +23,14 @@ work and the GPU idles while the host waits, that was 3-5% of a wave (design/008
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 
-from mlx_trio.engine.batch_rows import (
-    BatchRow,
-    GeneratorRows,
-    PromptStart,
-    commit,
-    guard_sampler,
-)
+from mlx_trio.engine.batch_rows import BatchRow, GeneratorRows, PromptStart, commit, guard_sampler
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowEvent, RowFailed, RowProgress
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.sampling import (
-    Sampler,
-    make_row_sampler,
-    with_injected_fault,
-)
+from mlx_trio.engine.sampling import Sampler, make_row_sampler, with_injected_fault
 from mlx_trio.engine.solo import SoloRow
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 256
 
@@ -126,8 +113,7 @@ class BatchEngine:
         if self._solo.can_start_from_prompt(len(self._rows), len(start.rest)):
             self._solo.start_from_prompt(row, prompt, start)
         else:
-            max_tokens = request.params.max_tokens
-            self._batch.insert(row, start.rest, max_tokens, start.hit_cache, start.context)
+            self._batch.insert_from(row, start)
         self._rows[row_id] = row  # only once mlx-lm took it: a failed add changes nothing
         return row_id
 
@@ -205,8 +191,7 @@ class BatchEngine:
         row = self._rows[row_id]
         if self._solo.is_unstarted:  # it has not run: it joins the batch with its prompt
             start = self._solo.drop_unstarted()
-            max_tokens = row.decoder.params.max_tokens
-            self._batch.insert(row, start.rest, max_tokens, start.hit_cache, start.context)
+            self._batch.insert_from(row, start)
             return
         row.parked = self._solo.drop()
         self.resume(row_id)

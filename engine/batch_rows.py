@@ -205,6 +205,10 @@ class GeneratorRows:
         row.decoding = False
         self._row_of_uid[uid] = row
 
+    def insert_from(self, row: BatchRow, start: PromptStart) -> None:
+        """Add a row that has generated nothing yet, to prefill its prompt past the hit."""
+        self.insert(row, start.rest, row.remaining_tokens, start.hit_cache, start.context)
+
     def take_out(self, row: BatchRow) -> tuple[list[Any], list[int]]:
         """Take a generating row out: its caches and tokens, parked-style (the caches hold
         every token but the last: mlx-lm computes one step ahead)."""
