@@ -232,10 +232,9 @@ async def open_runtime(
             yield RuntimeHandle(runtime)
         return
 
+    from mlx_trio.actors.engine_port.process import ProcessEngine
+    from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
     from mlx_trio.engine.loader import runs_on_gpu
-    from mlx_trio.engine.process import ProcessEngine
-    from mlx_trio.engine.thread import EngineThread
-    from mlx_trio.engine.threaded import ThreadedEngine
 
     if engine_process is None:
         engine_process = runs_on_gpu(device)

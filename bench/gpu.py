@@ -54,6 +54,8 @@ from typing import Any
 
 import trio
 
+from mlx_trio.actors.engine_port.process import open_process_engine
+from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.api.inprocess import open_runtime
@@ -61,10 +63,7 @@ from mlx_trio.api.server import ServeOptions, serve
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.process import open_process_engine
 from mlx_trio.engine.prompt import Prompt
-from mlx_trio.engine.thread import EngineThread
-from mlx_trio.engine.threaded import ThreadedEngine
 from mlx_trio.engine.warmup import warm_up
 
 logger = logging.getLogger("bench.gpu")

@@ -19,6 +19,8 @@ from functools import partial
 import trio
 
 from bench.http_load import prompt
+from mlx_trio.actors.engine_port.process import open_process_engine
+from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.actors.runtime import RuntimeConfig
@@ -26,10 +28,7 @@ from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.process import open_process_engine
 from mlx_trio.engine.prompt import ChatMessage
-from mlx_trio.engine.thread import EngineThread
-from mlx_trio.engine.threaded import ThreadedEngine
 
 PREFILL_BATCH = 8
 TICK_S = 0.005

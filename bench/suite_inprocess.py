@@ -34,6 +34,7 @@ import trio
 from bench.chat_stream import RequestResult, StreamProgress
 from bench.http_load import prompt
 from bench.systems import MAX_BATCH, PREFILL_BATCH, PREFILL_CHUNK
+from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import (
     Cancelled,
     Completed,
@@ -47,8 +48,6 @@ from mlx_trio.engine.errors import MlxTrioError
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.prompt import ChatMessage
-from mlx_trio.engine.thread import EngineThread
-from mlx_trio.engine.threaded import ThreadedEngine
 
 SYSTEMS = ("stream_generate", "batch_generator", "mlx-trio")
 WARMUP_CLIENTS = 4

@@ -2,8 +2,9 @@
 
 :class:`EngineCore` holds what the runtime's engine port changes: the batch (a
 :class:`BatchEngine`) and the serial run (a :class:`Generation`). Every method is synchronous
-and must be called from the one thread that owns MLX: the engine thread
-(``ThreadedEngine``) or the engine process's main thread (``ProcessEngine``).
+and must be called from the one thread that owns MLX: the engine thread (``ThreadedEngine``)
+or the engine process's main thread (``ProcessEngine``), each applying the port's calls
+(``engine/calls.py``). That thread calls :func:`clear_thread_streams` before it ends.
 """
 
 from __future__ import annotations
@@ -143,3 +144,16 @@ class EngineCore:
         if self._batch is not None:
             self._batch.close()
             self._batch = None
+
+
+def clear_thread_streams() -> None:
+    """Destroy the MLX streams this thread created; the thread that owned a core calls it
+    before it ends.
+
+    MLX 0.32 leaves that to each thread (mlx-lm's generation stream is thread-local); left to the
+    interpreter's exit, it can abort the process after all the work is done ("terminate called
+    without an active exception", seen once in this project's README example test).
+    """
+    import mlx.core as mx
+
+    mx.clear_streams()

@@ -1,8 +1,9 @@
 """The engine: a loaded model plus the single-request generation path.
 
-Everything here runs on the engine thread (``mlx_trio.engine.thread``); nothing here knows
-about Trio. The batch path lives in ``batch.py`` and shares :class:`RowDecoder` with this one,
-so both produce the same deltas, finish reasons and stats.
+Everything here runs on the engine thread (``mlx_trio.actors.engine_port.thread``) or in the
+engine process (``engine/child.py``); nothing here knows about Trio. The batch path lives in
+``batch.py`` and shares :class:`RowDecoder` with this one, so both produce the same deltas,
+finish reasons and stats.
 """
 
 from __future__ import annotations

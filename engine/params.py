@@ -74,7 +74,7 @@ class SamplingParams:
             )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled for the engine process (``mlx_trio.engine.process``), ``logit_bias`` as a
+        """Pickled for the engine process (``mlx_trio.engine.child``), ``logit_bias`` as a
         dict: a ``MappingProxyType`` does not pickle."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["logit_bias"] = dict(self.logit_bias)

@@ -12,16 +12,15 @@ from multiprocessing.connection import Connection
 import pytest
 import trio
 
+from mlx_trio.actors.engine_port.process import EngineProcessError, open_process_engine, take_frame
+from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Cancelled, Completed, Failed, GenerationRequest, TextDelta
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.errors import UnsupportedModelError
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.process import EngineProcessError, _take_frame, open_process_engine
 from mlx_trio.engine.prompt import ChatMessage
-from mlx_trio.engine.thread import EngineThread
-from mlx_trio.engine.threaded import ThreadedEngine
 from tests.tiny import build_engine, build_nothing, make_preparer
 
 
@@ -148,7 +147,7 @@ def test_a_message_arriving_in_pieces_is_read_whole_in_multiprocessings_framing(
     with ours:
         while data := ours.recv(3):  # a few bytes at a time: every split of the header too
             buffer += data
-            while (payload := _take_frame(buffer)) is not None:
+            while (payload := take_frame(buffer)) is not None:
                 received.append(payload)
     assert received == payloads and not buffer
 

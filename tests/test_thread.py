@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import trio
 
-from mlx_trio.engine.thread import EngineThread
+from mlx_trio.actors.engine_port.thread import EngineThread
 
 
 async def test_jobs_run_in_order_on_one_thread_and_errors_propagate():

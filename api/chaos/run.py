@@ -190,8 +190,7 @@ async def run_on_model(
     tokens and text; then the plan runs on the same engine, in-process or over HTTP. The step
     watchdog is at least ``MODEL_STEP_TIMEOUT_S``: a plan's 1 s suits the scripted engine's
     steps, while a real model's prefill on a busy 2-core machine can take longer."""
-    from mlx_trio.engine.thread import EngineThread
-    from mlx_trio.engine.threaded import ThreadedEngine
+    from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 
     watchdog = max(plan.config.step_timeout_s, MODEL_STEP_TIMEOUT_S)
     plan = replace(plan, config=replace(plan.config, step_timeout_s=watchdog))

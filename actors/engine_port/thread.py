@@ -1,4 +1,5 @@
-"""The engine thread: one long-lived thread that owns all MLX state and runs every MLX call.
+"""The engine thread: one long-lived thread that owns all MLX state and runs every MLX call;
+and the engine port's transport over it (``ThreadedEngine``).
 
 mlx-lm's generation stream is thread-local, and ``trio.to_thread.run_sync`` may pick any cached
 thread, so every call that touches MLX goes through one :class:`EngineThread`. MLX releases the
@@ -13,6 +14,9 @@ own while the event loop was busy. While an engine thread runs, the interval is
 While no job waits, the thread can do ``idle`` work, a piece at a time, looking for a job after
 each piece: the batch engine steps ahead of its next call there, so that it does not sit idle
 while the event loop hands out the last call's tokens (design/008).
+
+:class:`ThreadTransport` answers the port's calls with an :class:`EngineCore` on the thread;
+:class:`ThreadedEngine` is the port over it, and loads its engine there.
 """
 
 from __future__ import annotations
@@ -23,14 +27,22 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import outcome
 import trio
 
+from mlx_trio.actors.engine_port.port import CorePort
+from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
+from mlx_trio.engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply, answer
+from mlx_trio.engine.core import EngineCore, clear_thread_streams
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.warmup import warm_up
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -97,7 +109,7 @@ class EngineThread:
             while (job := self._next_job()) is not None:
                 job.deliver(outcome.capture(job.fn))
         finally:
-            _clear_streams()
+            clear_thread_streams()
 
     def _next_job(self) -> _Job | None:
         """The next job (None: close); until one waits, pieces of the idle work run."""
@@ -158,13 +170,73 @@ class EngineThread:
         return box[0].unwrap()
 
 
-def _clear_streams() -> None:
-    """Destroy the MLX streams this thread created, before it ends.
+class ThreadTransport:
+    """The port's calls, answered on an :class:`EngineThread` by ``core``; between calls the
+    thread steps the core's batch ahead of its next call."""
 
-    MLX 0.32 leaves that to each thread (mlx-lm's generation stream is thread-local); left to the
-    interpreter's exit, it can abort the process after all the work is done ("terminate called
-    without an active exception", seen once in this project's README example test).
-    """
-    import mlx.core as mx
+    def __init__(self, thread: EngineThread, core: EngineCore) -> None:
+        self.thread = thread
+        self.core = core
+        self.state = EngineState()
+        thread.add_idle_work(core.step_ahead)
 
-    mx.clear_streams()
+    async def call(self, call: Call[R]) -> Reply[R]:
+        """Answer ``call`` on the engine thread; if cancelled, it still completes there and its
+        reply is dropped (its state is kept)."""
+        return await self.thread.run(self._answer, cast(EngineCall, call))
+
+    def _answer(self, call: EngineCall) -> Reply[Any]:
+        reply = answer(self.core, call)
+        self.state = reply.state  # from the engine thread: one reference, read whole
+        return reply
+
+    async def aclose(self) -> None:
+        """Nothing to stop: the thread is its owner's, and may serve other engines."""
+
+
+class ThreadedEngine(CorePort):
+    """The ``EnginePort`` over an :class:`Engine` owned by an :class:`EngineThread`: each call
+    runs on the thread, on this port's own :class:`EngineCore`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        thread: EngineThread,
+        *,
+        max_batch: int,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
+        self.engine = engine
+        self.thread = thread
+        core = EngineCore(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        super().__init__(
+            ThreadTransport(thread, core),
+            EngineStarted(engine.model_id, engine.sampling_defaults),
+            engine.preparer,
+            max_batch=max_batch,
+            prefill_chunk=prefill_chunk,
+        )
+
+    @classmethod
+    async def load(
+        cls,
+        thread: EngineThread,
+        spec: str | None,
+        *,
+        device: str,
+        max_batch: int,
+        prompt_cache_bytes: int | None = None,
+    ) -> ThreadedEngine:
+        """Load on the engine thread and warm up; ``prompt_cache_bytes`` None picks a default,
+        0 is off. If cancelled, the load or warm-up still completes on the thread, unused."""
+        engine = await thread.run(
+            lambda: Engine.load(spec, device=device, prompt_cache_bytes=prompt_cache_bytes)
+        )
+        port = cls(engine, thread, max_batch=max_batch)
+        await port.batch_reset()
+        # Compile the kernels of every shape the runtime will use before anyone calls it
+        # healthy (GPU; returns at once on CPU).
+        chunk = port.prefill_chunk
+        report = await thread.run(lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=chunk))
+        port._started = EngineStarted(engine.model_id, engine.sampling_defaults, report)
+        return port

@@ -1,0 +1,278 @@
+"""The batch path's rows: each row's state, and mlx-lm's ``BatchGenerator`` stepping them.
+
+:class:`BatchRow` is what :class:`BatchEngine` keeps for each row it was given: the
+:class:`RowDecoder` it shares with the single-request path, the row's sampler and logits
+processors, where the row is (mlx-lm's batch, parked, or the solo row: ``engine/solo.py``), and
+the tokens it sampled in the current engine call, decoded at the call's end.
+:class:`PromptStart` is a new row's prompt past what the prompt cache already held.
+:class:`GeneratorRows` is mlx-lm's batch: the ``BatchGenerator`` and the row of each of its
+uids (mlx-lm gives a resumed row a new uid; row ids stay the batch engine's own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.outputs import RowOutput, RowProgress
+from mlx_trio.engine.params import PreparedRequest
+from mlx_trio.engine.prompt_cache import PromptCache
+from mlx_trio.engine.row import RowDecoder
+from mlx_trio.engine.sampling import (
+    LogitsProcessor,
+    Sampler,
+    make_row_processors,
+    repair_random_state,
+)
+
+
+@dataclass(slots=True)
+class BatchRow:
+    id: int
+    decoder: RowDecoder
+    sampler: Sampler | None
+    processors: list[LogitsProcessor]
+    stops: StopSequences
+    wants_logprobs: bool
+    uid: int | None = None
+    decoding: bool = False  # in mlx-lm's generation batch (not prefilling)
+    parked: tuple[list[Any], list[int]] | None = None  # KV caches, tokens (last one not in them)
+    # This engine call's tokens (and log-probability vectors, if asked for), decoded at its end.
+    sampled: list[int] = field(default_factory=list)
+    sampled_logprobs: list[mx.array] = field(default_factory=list)
+    took_at: int | None = None  # the step that gave it its last sampled token
+    failure: str | None = None  # its sampler failed: it left the generator, fails at the end
+
+    @classmethod
+    def new(
+        cls,
+        row_id: int,
+        tokenizer: TokenizerWrapper,
+        request: PreparedRequest,
+        sampler: Sampler | None,
+    ) -> BatchRow:
+        """A row for ``request``, sampling with ``sampler`` (None: greedy)."""
+        params = request.params
+        decoder = RowDecoder(tokenizer, params, num_prompt_tokens=len(request.prompt_tokens))
+        return cls(
+            id=row_id,
+            decoder=decoder,
+            sampler=sampler,
+            processors=make_row_processors(params),
+            stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
+            wants_logprobs=params.logprobs,
+        )
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens generated so far, this call's undecoded ones included."""
+        return self.decoder.num_generated + len(self.sampled)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens it may still generate."""
+        return self.decoder.params.max_tokens - self.num_sampled
+
+    def take(self, token: int, logprobs: mx.array, step: int) -> bool:
+        """Keep a token sampled in ``step``; whether it is the row's first. (The batch's rows
+        take theirs inline in :meth:`GeneratorRows.step`, the hot path.)"""
+        first = self.num_sampled == 0
+        self.sampled.append(token)
+        if self.wants_logprobs:
+            self.sampled_logprobs.append(logprobs)
+        self.took_at = step
+        return first
+
+    def ends_with(self, token: int) -> bool:
+        """Whether ``token``, just sampled, ends the row by a stop token or ``max_tokens`` (a
+        stop string is only seen once the row's tokens are decoded)."""
+        return token in self.decoder.stop_token_ids or self.remaining_tokens <= 0
+
+    def fail(self, message: str, step: int) -> None:
+        """Mark the row failed in ``step``; the token it got in that step is dropped (it may be
+        a failed sampler's placeholder)."""
+        self.failure = message
+        if self.sampled and self.took_at == step:
+            self.sampled.pop()
+            if self.sampled_logprobs:
+                self.sampled_logprobs.pop()
+
+    def decode(self) -> RowOutput | None:
+        """The row's output for this call's tokens (None if it got none); ``stats`` is set if
+        the row finished."""
+        if not self.sampled:
+            return None
+        tokens, self.sampled = self.sampled, []
+        logprobs, self.sampled_logprobs = self.sampled_logprobs, []
+        delta = self.decoder.feed_many(tokens, logprobs if self.wants_logprobs else None)
+        if delta.finish_reason is None:
+            return RowOutput(row=self.id, delta=delta)
+        return RowOutput(row=self.id, delta=delta, stats=self.decoder.stats())
+
+
+@dataclass(frozen=True, slots=True)
+class PromptStart:
+    """A new row's prompt past the prompt cache's hit (``rest``), and the hit: its KV caches
+    and the tokens they hold (both None on a miss)."""
+
+    rest: list[int]
+    hit_cache: list[Any] | None
+    context: list[int] | None
+
+    @classmethod
+    def take(cls, cache: PromptCache | None, prompt: list[int]) -> PromptStart:
+        """Take the longest prefix of ``prompt`` that ``cache`` holds out of it."""
+        hit = cache.take(prompt) if cache is not None else None
+        if hit is None:
+            return cls(prompt[:], None, None)
+        return cls(prompt[hit.num_tokens :], hit.cache, prompt[: hit.num_tokens])
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.context) if self.context is not None else 0
+
+
+def guard_sampler(row_id: int, sampler: Sampler, faults: dict[int, str]) -> Sampler:
+    """A sampler whose failure fails only its own row: it records the error in ``faults`` and
+    returns a placeholder token; the batch engine then drops the row with a ``RowFailed``.
+    Whatever shared state the failure broke (MLX's global random state) is repaired before the
+    step's graph is evaluated, so the other rows' step goes on."""
+
+    def guarded(logprobs: mx.array) -> mx.array:
+        try:
+            return sampler(logprobs)
+        except Exception as exc:
+            faults[row_id] = f"sampler failed: {type(exc).__name__}: {exc}"
+            repair_random_state()
+            return mx.argmax(logprobs, axis=-1)
+
+    return guarded
+
+
+def commit(engine: Engine, tokens: list[int], caches: list[Any] | None) -> None:
+    """Give the prompt cache, if any, KV ``caches`` that hold exactly ``tokens``."""
+    if engine.prompt_cache is not None and caches:
+        engine.prompt_cache.put(tokens, caches)
+
+
+class GeneratorRows:
+    """The rows in mlx-lm's ``BatchGenerator``, by uid; called on the engine thread only."""
+
+    def __init__(
+        self, engine: Engine, *, max_batch: int, prefill_batch: int, prefill_chunk: int
+    ) -> None:
+        self._engine = engine
+        self._generator = BatchGenerator(
+            engine.model,
+            completion_batch_size=max_batch,
+            prefill_batch_size=min(prefill_batch, max_batch),
+            prefill_step_size=prefill_chunk,
+        )
+        self._row_of_uid: dict[int, BatchRow] = {}
+
+    def __len__(self) -> int:
+        return len(self._row_of_uid)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self._generator.prompt_cache_nbytes
+
+    def insert(
+        self,
+        row: BatchRow,
+        prompt: list[int],
+        max_tokens: int,
+        cache: list[Any] | None,
+        context: list[int] | None,
+    ) -> None:
+        """Add a row to prefill ``prompt`` on top of ``cache`` (which holds ``context``)."""
+        (uid,) = self._generator.insert(
+            [prompt],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[context] if context is not None else None,
+            samplers=[row.sampler],
+            logits_processors=[row.processors],
+            stop_sequences=[row.stops],
+        )
+        row.uid = uid
+        row.decoding = False
+        self._row_of_uid[uid] = row
+
+    def insert_from(self, row: BatchRow, start: PromptStart) -> None:
+        """Add a row that has generated nothing yet, to prefill its prompt past the hit."""
+        self.insert(row, start.rest, row.remaining_tokens, start.hit_cache, start.context)
+
+    def take_out(self, row: BatchRow) -> tuple[list[Any], list[int]]:
+        """Take a generating row out: its caches and tokens, parked-style (the caches hold
+        every token but the last: mlx-lm computes one step ahead)."""
+        assert row.uid is not None
+        caches, tokens = self._generator.extract_cache([row.uid])[row.uid]
+        for cache in caches:
+            cache.trim(1)
+        self._generator.remove([row.uid])
+        del self._row_of_uid[row.uid]
+        row.uid = None
+        row.decoding = False
+        return caches, list(tokens)
+
+    def detach(self, row: BatchRow) -> int | None:
+        """Stop mapping a row, if it is in the batch: its uid, for :meth:`remove`."""
+        if row.uid is None:
+            return None
+        uid, row.uid = row.uid, None
+        del self._row_of_uid[uid]
+        return uid
+
+    def remove(self, uids: Iterable[int]) -> None:
+        """Drop detached rows; what they had prefilled goes to the prompt cache."""
+        if not (uids := list(uids)):
+            return
+        if self._engine.prompt_cache is None:
+            self._generator.remove(uids)
+            return
+        for caches, tokens in self._generator.remove(uids, return_prompt_caches=True).values():
+            commit(self._engine, list(tokens), caches)
+
+    def step(
+        self, step: int, progress: dict[int, RowProgress], touched: dict[int, BatchRow]
+    ) -> bool:
+        """One ``BatchGenerator.next()``: prefilling rows' ``progress``, and each generating
+        row's token kept (the row then in ``touched``); whether a row got its first token. A
+        row that mlx-lm ends (stop token, ``max_tokens``) leaves, its KV to the prompt cache."""
+        prompt_responses, generation_responses = self._generator.next()
+        in_batch = self._row_of_uid
+        for response in prompt_responses:
+            if (row := in_batch.get(response.uid)) is not None:
+                done, total = response.progress
+                progress[row.id] = RowProgress(row=row.id, done=done, total=total)
+        # This runs for every generating row in every step, on the thread that also builds the
+        # next step: its first-token check is done only where a first token can be (a row's
+        # first step in the batch).
+        first_token = False
+        for response in generation_responses:
+            if (row := in_batch.get(response.uid)) is None:
+                continue
+            if not row.decoding:
+                row.decoding = True
+                first_token |= row.num_sampled == 0
+            row.sampled.append(response.token)
+            if row.wants_logprobs:
+                row.sampled_logprobs.append(response.logprobs)
+            row.took_at = step
+            touched[row.id] = row
+            if response.finish_reason is not None:  # mlx-lm dropped the row, handed back its KV
+                del in_batch[response.uid]
+                row.uid = None
+                commit(self._engine, list(response.all_tokens or []), response.prompt_cache)
+        return first_token
+
+    def close(self) -> None:
+        self._row_of_uid.clear()
+        self._generator.close()

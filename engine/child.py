@@ -1,0 +1,93 @@
+"""The engine process's side: its main loop, synchronous, on the process's main thread.
+
+The runtime's ``ProcessEngine`` (``mlx_trio.actors.engine_port.process``) starts a child with
+``spawn`` that runs :func:`serve_engine`: build the :class:`Engine`, warm it up, send
+:class:`EngineStarted`, then answer each call (``engine/calls.py``) with a :class:`Reply`, one
+for each, in order, over a ``multiprocessing.connection.Connection``. Between calls it steps the
+batch ahead, as the engine thread does.
+
+The child ignores SIGINT and SIGTERM: the parent decides when it ends (a ``None`` call, or the
+socket closing when the parent dies). A child that cannot build its engine sends the error back
+and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mlx_trio.engine.calls import EngineStarted, EngineState, Reply, answer
+from mlx_trio.engine.core import EngineCore, clear_thread_streams
+from mlx_trio.engine.errors import MlxTrioError
+from mlx_trio.engine.generate import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineProcessError(MlxTrioError):
+    """The engine process ended (it crashed, or was killed) or could not start; or a reply of
+    its would not pickle."""
+
+
+def serve_engine(
+    connection: Connection,
+    build: Callable[[], Engine],
+    max_batch: int,
+    prefill_chunk: int,
+    warm: bool,
+    log_level: int,
+) -> None:
+    """The engine process's main: build, warm up, then answer calls until ``None`` or EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s"
+    )
+    from mlx_trio.engine.warmup import warm_up
+
+    try:
+        engine = build()
+        core = EngineCore(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        core.batch_reset()
+        report = warm_up(engine, max_batch=max_batch, prefill_chunk=prefill_chunk) if warm else None
+    except Exception as exc:
+        logger.exception("the engine process could not start")
+        _send(connection, Reply(None, exc, EngineState()))
+        return
+    started = EngineStarted(engine.model_id, engine.sampling_defaults, report)
+    _send(connection, Reply(started, None, EngineState.of(core)))
+    try:
+        while True:
+            # While no call waits, step the batch ahead of its next call, a step at a time.
+            while not connection.poll(0):
+                try:
+                    if not core.step_ahead():
+                        break
+                except Exception:
+                    logger.exception("stepping ahead failed; the next call will see it")
+                    break
+            try:
+                call = connection.recv()
+            except EOFError:
+                logger.info("the runtime went away; the engine process ends")
+                return
+            if call is None:
+                return
+            _send(connection, answer(core, call))
+    finally:
+        core.close()
+        clear_thread_streams()
+
+
+def _send(connection: Connection, reply: Reply[Any]) -> None:
+    try:
+        payload = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # an exception or a value that does not pickle, say
+        value = reply.error if reply.error is not None else reply.value
+        error = EngineProcessError(f"{type(value).__name__}: {value} (unpicklable: {exc})")
+        payload = pickle.dumps(Reply(None, error, reply.state), protocol=pickle.HIGHEST_PROTOCOL)
+    connection.send_bytes(payload)
