@@ -17,7 +17,7 @@ from typing import Literal, assert_never
 
 import trio
 
-from mlx_trio.actors.channels import offer, receiver_left, take_buffered
+from .channels import offer, receiver_left, take_buffered
 
 logger = logging.getLogger(__name__)
 

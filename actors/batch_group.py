@@ -33,7 +33,9 @@ from typing import assert_never
 
 import trio
 
-from mlx_trio.actors.arbiter import (
+from ..engine.outputs import RowFailed, RowProgress
+from ..engine.params import PreparedRequest
+from .arbiter import (
     Acquire,
     ArbiterMessage,
     DrainCalledOff,
@@ -41,11 +43,9 @@ from mlx_trio.actors.arbiter import (
     Lease,
     ReleaseLease,
 )
-from mlx_trio.actors.channels import offer
-from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox, is_final
-from mlx_trio.actors.port import EnginePort
-from mlx_trio.engine.outputs import RowFailed, RowProgress
-from mlx_trio.engine.params import PreparedRequest
+from .channels import offer
+from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox, is_final
+from .port import EnginePort
 
 logger = logging.getLogger(__name__)
 

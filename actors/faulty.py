@@ -16,11 +16,11 @@ from typing import Literal
 
 import trio
 
-from mlx_trio.actors.port import EnginePort
-from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
-from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.prompt import Prompt
-from mlx_trio.engine.sampling_defaults import SamplingDefaults
+from ..engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
+from ..engine.params import PreparedRequest, SamplingParams
+from ..engine.prompt import Prompt
+from ..engine.sampling_defaults import SamplingDefaults
+from .port import EnginePort
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import assert_never
 
 import trio
 
-from mlx_trio.actors.channels import offer, receiver_left
-from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
+from ..engine.errors import OverloadedError, RuntimeClosedError
+from .channels import offer, receiver_left
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import trio
 
-from mlx_trio.engine.outputs import RowEvent, RowFailed, RowOutput
+from ..engine.outputs import RowEvent, RowFailed, RowOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mlx_trio.engine.outputs import FinishReason, TokenLogprob
-from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
+from ..engine.outputs import FinishReason, TokenLogprob
+from ..engine.params import SamplingParams
+from ..engine.prompt import ChatMessage
 
 CancelReason = Literal[
     "requested", "consumer_closed", "consumer_idle", "deadline", "shutdown", "engine_fault"

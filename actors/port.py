@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent
-from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.prompt import Prompt
-from mlx_trio.engine.sampling_defaults import SamplingDefaults
+from ..engine.outputs import PromptCacheStatistics, RowEvent
+from ..engine.params import PreparedRequest, SamplingParams
+from ..engine.prompt import Prompt
+from ..engine.sampling_defaults import SamplingDefaults
 
 
 class EnginePort(Protocol):

@@ -20,11 +20,14 @@ from typing import Literal, TypeVar
 
 import trio
 
-from mlx_trio.actors import gate
-from mlx_trio.actors.arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
-from mlx_trio.actors.batch_group import BatchGroup
-from mlx_trio.actors.channels import take_buffered
-from mlx_trio.actors.messages import (
+from ..engine.errors import RuntimeClosedError
+from ..engine.outputs import PromptCacheStatistics
+from ..engine.params import PreparedRequest
+from . import gate
+from .arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
+from .batch_group import BatchGroup
+from .channels import take_buffered
+from .messages import (
     CANCEL_REASONS,
     Cancelled,
     CancelReason,
@@ -36,12 +39,9 @@ from mlx_trio.actors.messages import (
     Lane,
     describe,
 )
-from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.serial import SerialExecutor
-from mlx_trio.actors.session import Session, SessionLinks
-from mlx_trio.engine.errors import RuntimeClosedError
-from mlx_trio.engine.outputs import PromptCacheStatistics
-from mlx_trio.engine.params import PreparedRequest
+from .port import EnginePort
+from .serial import SerialExecutor
+from .session import Session, SessionLinks
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from mlx_trio.engine.errors import InvalidRequestError
-from mlx_trio.engine.outputs import (
+from ..engine.errors import InvalidRequestError
+from ..engine.outputs import (
     Delta,
     FinishReason,
     GenerationStats,
@@ -28,10 +28,10 @@ from mlx_trio.engine.outputs import (
     RowProgress,
     TokenLogprob,
 )
-from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.prompt import Prompt, check_fits, check_messages
-from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from mlx_trio.engine.stops import StopStringMatcher
+from ..engine.params import PreparedRequest, SamplingParams
+from ..engine.prompt import Prompt, check_fits, check_messages
+from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ..engine.stops import StopStringMatcher
 
 VOCAB_SIZE = 1000
 EOS_TOKEN = 0

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import trio
 
-from mlx_trio.actors.arbiter import ArbiterMessage, Lease, ReleaseLease
-from mlx_trio.actors.lanes import Abandoned, LaneEvent, SessionInbox, is_final
-from mlx_trio.actors.port import EnginePort
-from mlx_trio.engine.outputs import RowFailed
-from mlx_trio.engine.params import PreparedRequest
+from ..engine.outputs import RowFailed
+from ..engine.params import PreparedRequest
+from .arbiter import ArbiterMessage, Lease, ReleaseLease
+from .lanes import Abandoned, LaneEvent, SessionInbox, is_final
+from .port import EnginePort
 
 logger = logging.getLogger(__name__)
 

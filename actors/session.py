@@ -17,12 +17,14 @@ from dataclasses import dataclass
 
 import trio
 
-from mlx_trio.actors import gate
-from mlx_trio.actors.arbiter import ArbiterMessage, acquire
-from mlx_trio.actors.batch_group import AddRow, BatchMessage
-from mlx_trio.actors.channels import take_buffered
-from mlx_trio.actors.lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox
-from mlx_trio.actors.messages import (
+from ..engine.outputs import Delta, GenerationStats, RowFailed, RowOutput, RowProgress
+from ..engine.params import PreparedRequest
+from . import gate
+from .arbiter import ArbiterMessage, acquire
+from .batch_group import AddRow, BatchMessage
+from .channels import take_buffered
+from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox
+from .messages import (
     Cancelled,
     CancelReason,
     Completed,
@@ -36,9 +38,7 @@ from mlx_trio.actors.messages import (
     Timings,
     Usage,
 )
-from mlx_trio.actors.serial import SerialJob
-from mlx_trio.engine.outputs import Delta, GenerationStats, RowFailed, RowOutput, RowProgress
-from mlx_trio.engine.params import PreparedRequest
+from .serial import SerialJob
 
 logger = logging.getLogger(__name__)
 

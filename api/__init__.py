@@ -1,13 +1,20 @@
 """mlx-trio's public surface: everything a user of the in-process API imports comes from here.
 
-    from mlx_trio.api import ChatMessage, GenerationRequest, SamplingParams, open_runtime
+    from . import ChatMessage, GenerationRequest, SamplingParams, open_runtime
 
 Internals (the actors, the engine's modules) may move; these names stay. The HTTP server and
 the CLI are ``mlx-trio serve`` and ``mlx-trio generate``; the fault-injection harness is
 ``mlx_trio.api.chaos``.
+
+Importing it loads OpenBLAS (``mlx_trio.engine._blas``), so that a program that imports MLX
+after it gets fast CPU matmuls too; it imports no MLX itself.
 """
 
-from mlx_trio.actors.messages import (
+from ..engine import _blas  # noqa: F401  (OpenBLAS before any MLX the caller imports)
+
+# isort: split
+
+from ..actors.messages import (
     Cancelled,
     CancelReason,
     Completed,
@@ -20,15 +27,8 @@ from mlx_trio.actors.messages import (
     Timings,
     Usage,
 )
-from mlx_trio.actors.runtime import RuntimeConfig, RuntimeStatistics
-from mlx_trio.api.inprocess import (
-    Collected,
-    RuntimeHandle,
-    SessionHandle,
-    freeze_startup_heap,
-    open_runtime,
-)
-from mlx_trio.engine.errors import (
+from ..actors.runtime import RuntimeConfig, RuntimeStatistics
+from ..engine.errors import (
     ContextLengthExceededError,
     EngineError,
     InvalidRequestError,
@@ -41,10 +41,17 @@ from mlx_trio.engine.errors import (
     RuntimeRefusal,
     UnsupportedModelError,
 )
-from mlx_trio.engine.outputs import FinishReason, TokenLogprob
-from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
-from mlx_trio.engine.sampling_defaults import SamplingDefaults
+from ..engine.outputs import FinishReason, TokenLogprob
+from ..engine.params import SamplingParams
+from ..engine.prompt import ChatMessage
+from ..engine.sampling_defaults import SamplingDefaults
+from .inprocess import (
+    Collected,
+    RuntimeHandle,
+    SessionHandle,
+    freeze_startup_heap,
+    open_runtime,
+)
 
 __all__ = [
     "CancelReason",

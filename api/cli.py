@@ -10,9 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from mlx_trio.engine.errors import MlxTrioError
-from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
+from ..engine.errors import MlxTrioError
+from ..engine.params import SamplingParams
+from ..engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
 
 logger = logging.getLogger("mlx_trio.cli")
 
@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from mlx_trio.engine.generate import Engine
-    from mlx_trio.engine.prompt import ChatMessage
+    from ..engine.generate import Engine
+    from ..engine.prompt import ChatMessage
 
     flags = _flag_defaults(args)
     _sampling_params(args, flags)  # a bad flag is refused before the model loads
@@ -228,9 +228,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import trio
 
-    from mlx_trio.actors.runtime import RuntimeConfig
-    from mlx_trio.api.http_state import HttpSettings
-    from mlx_trio.api.server import ServeOptions, serve
+    from ..actors.runtime import RuntimeConfig
+    from .http_state import HttpSettings
+    from .server import ServeOptions, serve
 
     if args.max_batch < 1:
         raise MlxTrioError("--max-batch must be >= 1")
@@ -270,7 +270,7 @@ def _chaos(args: argparse.Namespace) -> int:
     import trio
     import trio.testing
 
-    from mlx_trio.api.chaos import FAULT_KINDS, FaultPlan, run_on_model, run_scripted
+    from .chaos import FAULT_KINDS, FaultPlan, run_on_model, run_scripted
 
     if args.list:
         print("\n".join(FAULT_KINDS))
@@ -305,7 +305,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from mlx_trio.engine.model_store import pull_default_model
+    from ..engine.model_store import pull_default_model
 
     path = pull_default_model(force=args.force)
     print(path)

@@ -26,9 +26,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mlx_trio.api.http_endpoints import Api
-from mlx_trio.api.http_errors import HttpError
-from mlx_trio.api.http_state import AppState
+from .http_endpoints import Api
+from .http_errors import HttpError
+from .http_state import AppState
 
 logger = logging.getLogger("mlx_trio.http")
 

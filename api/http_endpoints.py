@@ -13,24 +13,26 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_trio.actors.messages import GenerationRequest
-from mlx_trio.api import openai_format as fmt
-from mlx_trio.api.http_errors import HttpError, refusal_error
-from mlx_trio.api.http_exchange import Exchange
-from mlx_trio.api.http_input import parse, read_json
-from mlx_trio.api.http_responses import EventStream, complete
-from mlx_trio.api.http_state import AppState, HttpSettings
-from mlx_trio.api.inprocess import RuntimeHandle
-from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
-from mlx_trio.engine.errors import (
+from ..actors.messages import GenerationRequest
+from ..engine.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     OverloadedError,
     RuntimeClosedError,
     RuntimeRefusal,
 )
-from mlx_trio.engine.prompt import ChatMessage
-from mlx_trio.engine.sampling_defaults import applied
+from ..engine.prompt import ChatMessage
+from ..engine.sampling_defaults import applied
+from . import openai_format as fmt
+from .http_errors import HttpError, refusal_error
+from .http_exchange import Exchange
+from .http_input import parse, read_json
+from .http_responses import EventStream, complete
+from .http_state import AppState, HttpSettings
+from .inprocess import RuntimeHandle
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+MAX_ECHOED_MODEL = 64  # characters of an unknown model's name said back
 
 
 class Api:
@@ -92,9 +94,13 @@ class Api:
         ``InvalidRequestError`` for a bad prompt; it is called after the cheaper checks."""
         rt = self._runtime()
         if body.model not in (self.state.model_id, rt.model_id):
+            # Named back as OpenAI does, cut to a length that cannot bloat the answer or a log.
+            named = body.model
+            if len(named) > MAX_ECHOED_MODEL:
+                named = named[: MAX_ECHOED_MODEL - 3] + "..."
             raise HttpError(
                 404,
-                f"The model '{body.model}' does not exist; this server serves '{rt.model_id}'",
+                f"The model '{named}' does not exist; this server serves '{rt.model_id}'",
                 param="model",
                 code="model_not_found",
             )

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from mlx_trio.actors.messages import Cancelled, Completed, Failed, Outcome
-from mlx_trio.api import openai_format as fmt
-from mlx_trio.engine.errors import InvalidRequestError, OverloadedError, RuntimeClosedError
+from ..actors.messages import Cancelled, Completed, Failed, Outcome
+from ..engine.errors import InvalidRequestError, OverloadedError, RuntimeClosedError
+from . import openai_format as fmt
 
 OUTCOME_STATUS = {
     "deadline": (408, "timeout_error", "request_timeout"),

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
-from mlx_trio.actors.messages import (
+from ..actors.messages import (
     Cancelled,
     Completed,
     Event,
@@ -20,9 +20,9 @@ from mlx_trio.actors.messages import (
     Usage,
     describe,
 )
-from mlx_trio.api import openai_format as fmt
-from mlx_trio.api.inprocess import SessionHandle
-from mlx_trio.api.metrics import Metrics
+from . import openai_format as fmt
+from .inprocess import SessionHandle
+from .metrics import Metrics
 
 logger = logging.getLogger("mlx_trio.http")
 

@@ -11,10 +11,10 @@ import trio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from mlx_trio.api import json_body
-from mlx_trio.api.http_errors import HttpError, refusal_error
-from mlx_trio.api.schemas import error_param
-from mlx_trio.engine.errors import InvalidRequestError
+from ..engine.errors import InvalidRequestError
+from . import json_body
+from .http_errors import HttpError, refusal_error
+from .schemas import error_param
 
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:

@@ -17,12 +17,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from mlx_trio.actors.messages import Completed, Event, Progress, TextDelta
-from mlx_trio.api import openai_format as fmt
-from mlx_trio.api.http_errors import first_failure, outcome_error
-from mlx_trio.api.http_exchange import Exchange
-from mlx_trio.api.inprocess import SessionHandle
-from mlx_trio.engine.outputs import TokenLogprob
+from ..actors.messages import Completed, Event, Progress, TextDelta
+from ..engine.outputs import TokenLogprob
+from . import openai_format as fmt
+from .http_errors import first_failure, outcome_error
+from .http_exchange import Exchange
+from .inprocess import SessionHandle
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlx_trio.actors.runtime import RuntimeStatistics
-from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle
-from mlx_trio.api.metrics import Metrics
-from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults, Source, built_in
+from ..actors.runtime import RuntimeStatistics
+from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults, Source, built_in
+from .inprocess import RuntimeHandle, SessionHandle
+from .metrics import Metrics
 
 
 @dataclass(frozen=True, slots=True)

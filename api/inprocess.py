@@ -28,7 +28,7 @@ from typing import Literal
 
 import trio
 
-from mlx_trio.actors.messages import (
+from ..actors.messages import (
     CancelReason,
     Completed,
     Event,
@@ -36,10 +36,10 @@ from mlx_trio.actors.messages import (
     Outcome,
     TextDelta,
 )
-from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.runtime import Runtime, RuntimeConfig, RuntimeStatistics, open_runtime_actors
-from mlx_trio.actors.session import Session
-from mlx_trio.engine.sampling_defaults import SamplingDefaults
+from ..actors.port import EnginePort
+from ..actors.runtime import Runtime, RuntimeConfig, RuntimeStatistics, open_runtime_actors
+from ..actors.session import Session
+from ..engine.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -232,9 +232,9 @@ async def open_runtime(
             yield RuntimeHandle(runtime)
         return
 
-    from mlx_trio.actors.engine_port.process import ProcessEngine
-    from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
-    from mlx_trio.engine.loader import runs_on_gpu
+    from ..actors.engine_port.process import ProcessEngine
+    from ..actors.engine_port.thread import EngineThread, ThreadedEngine
+    from ..engine.loader import runs_on_gpu
 
     if engine_process is None:
         engine_process = runs_on_gpu(device)

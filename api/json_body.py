@@ -13,8 +13,8 @@ import re
 import sys
 from typing import Any
 
-from mlx_trio.api.schemas import format_param
-from mlx_trio.engine.errors import InvalidRequestError
+from ..engine.errors import InvalidRequestError
+from .schemas import format_param
 
 MAX_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")

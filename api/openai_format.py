@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from mlx_trio.actors.messages import Usage
-from mlx_trio.engine.outputs import TokenLogprob
+from ..actors.messages import Usage
+from ..engine.outputs import TokenLogprob
 
 Kind = Literal["chat", "text"]
 TokenText = Callable[[int], str]

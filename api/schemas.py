@@ -13,10 +13,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from mlx_trio.engine.errors import InvalidRequestError
-from mlx_trio.engine.params import MAX_SEED, SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
-from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ..engine.errors import InvalidRequestError
+from ..engine.params import MAX_SEED, SamplingParams
+from ..engine.prompt import ChatMessage
+from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

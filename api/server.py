@@ -17,12 +17,12 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.runtime import RuntimeConfig
-from mlx_trio.api.http import build_app
-from mlx_trio.api.http_state import AppState, HttpSettings
-from mlx_trio.api.inprocess import freeze_startup_heap, open_runtime
-from mlx_trio.engine.sampling_defaults import describe
+from ..actors.port import EnginePort
+from ..actors.runtime import RuntimeConfig
+from ..engine.sampling_defaults import describe
+from .http import build_app
+from .http_state import AppState, HttpSettings
+from .inprocess import freeze_startup_heap, open_runtime
 
 logger = logging.getLogger("mlx_trio.server")
 

@@ -13,9 +13,13 @@ import statistics
 import time
 from collections.abc import Callable
 
-# mlx_trio.engine first: it loads OpenBLAS before MLX is imported.
+from mlx_trio.engine import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
+import mlx.core as mx
+
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.sampling import RowSampler, Sampler, mx
+from mlx_trio.engine.sampling import RowSampler, Sampler
 
 CASES = {
     "temperature": SamplingParams(temperature=0.8),

@@ -1,9 +1,7 @@
 """The synchronous engine: model loading, sampling, text streaming and generation over mlx-lm.
 
-Importing this package loads OpenBLAS before anything imports MLX (see ``_blas``).
-Only the engine thread (``mlx_trio.engine.thread``) calls into MLX.
+Importing this package loads nothing. The plain types every side shares (``params``,
+``outputs``, ``errors``, ``prompt``, ``stops``, ``sampling_defaults``) import no MLX; each module
+that imports MLX imports ``_blas`` first, which loads OpenBLAS before MLX binds its BLAS.
+Only the engine thread or the engine process calls into MLX (``core``, ``calls``).
 """
-
-from mlx_trio.engine._blas import ensure_openblas
-
-ensure_openblas()

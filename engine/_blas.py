@@ -10,8 +10,9 @@ from memory under the SONAME ``libgfortran.so.5``; the dynamic linker matches a 
 already loaded by its SONAME, so OpenBLAS's ``NEEDED`` entry resolves to it. If that fails too,
 one warning, and MLX keeps the reference BLAS.
 
-This is the one place that does it; ``mlx_trio.engine`` calls :func:`ensure_openblas` on import,
-so every entry point that can reach MLX goes through it.
+This is the one place that does it: importing this module loads it, and every module of ours
+that imports MLX imports this one first (above an ``# isort: split``), so whichever reaches MLX
+first, OpenBLAS is there before it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from mlx_trio.engine import _elf
+from . import _elf
 
 logger = logging.getLogger(__name__)
 
@@ -140,3 +141,6 @@ def openblas_path() -> Path | None:
 def gfortran_source() -> Path | None:
     """The bundled libgfortran loaded for OpenBLAS, if the system's was not found."""
     return _gfortran
+
+
+ensure_openblas()

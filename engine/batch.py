@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from mlx_trio.engine.batch_rows import BatchRow, GeneratorRows, PromptStart, commit, guard_sampler
-from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.outputs import RowEvent, RowFailed, RowProgress
-from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.sampling import Sampler, make_row_sampler, with_injected_fault
-from mlx_trio.engine.solo import SoloRow
+from .batch_rows import BatchRow, GeneratorRows, PromptStart, commit, guard_sampler
+from .generate import Engine
+from .outputs import RowEvent, RowFailed, RowProgress
+from .params import PreparedRequest, SamplingParams
+from .sampling import Sampler, make_row_sampler, with_injected_fault
+from .solo import SoloRow
 
 DEFAULT_PREFILL_CHUNK = 256
 

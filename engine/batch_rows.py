@@ -15,16 +15,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.outputs import RowOutput, RowProgress
-from mlx_trio.engine.params import PreparedRequest
-from mlx_trio.engine.prompt_cache import PromptCache
-from mlx_trio.engine.row import RowDecoder
-from mlx_trio.engine.sampling import (
+from .generate import Engine
+from .outputs import RowOutput, RowProgress
+from .params import PreparedRequest
+from .prompt_cache import PromptCache
+from .row import RowDecoder
+from .sampling import (
     LogitsProcessor,
     Sampler,
     make_row_processors,

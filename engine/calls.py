@@ -22,13 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, assert_never
 
-from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent
-from mlx_trio.engine.params import PreparedRequest
-from mlx_trio.engine.sampling_defaults import SamplingDefaults
+from .outputs import PromptCacheStatistics, RowEvent
+from .params import PreparedRequest
+from .sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
-    from mlx_trio.engine.core import EngineCore
-    from mlx_trio.engine.warmup import WarmupReport
+    from .core import EngineCore
+    from .warmup import WarmupReport
 
 R = TypeVar("R")
 

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mlx_trio.engine.calls import EngineStarted, EngineState, Reply, answer
-from mlx_trio.engine.core import EngineCore, clear_thread_streams
-from mlx_trio.engine.errors import MlxTrioError
-from mlx_trio.engine.generate import Engine
+from .calls import EngineStarted, EngineState, Reply, answer
+from .core import EngineCore, clear_thread_streams
+from .errors import MlxTrioError
+from .generate import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def serve_engine(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s"
     )
-    from mlx_trio.engine.warmup import warm_up
+    from .warmup import warm_up
 
     try:
         engine = build()

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK, BatchEngine
-from mlx_trio.engine.generate import Engine, Generation
-from mlx_trio.engine.outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
-from mlx_trio.engine.params import PreparedRequest
-from mlx_trio.engine.sampling import repair_random_state
+from .batch import DEFAULT_PREFILL_CHUNK, BatchEngine
+from .generate import Engine, Generation
+from .outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
+from .params import PreparedRequest
+from .sampling import repair_random_state
 
 SERIAL_ROW = 0
 

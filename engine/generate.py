@@ -10,28 +10,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_trio.engine.errors import InvalidRequestError
-from mlx_trio.engine.loader import LoadedModel, load_model
-from mlx_trio.engine.outputs import Delta, GenerationStats
-from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.prompt import Prompt, check_fits, encode_prompt
-from mlx_trio.engine.prompt_cache import PromptCache, default_budget_bytes
-from mlx_trio.engine.row import RowDecoder
-from mlx_trio.engine.sampling import (
+from .errors import InvalidRequestError
+from .loader import LoadedModel, load_model
+from .outputs import Delta, GenerationStats
+from .params import PreparedRequest, SamplingParams
+from .prompt import Prompt, check_fits, encode_prompt
+from .prompt_cache import PromptCache, default_budget_bytes
+from .row import RowDecoder
+from .sampling import (
     make_row_processors,
     make_row_sampler,
     repair_random_state,
     with_history,
     with_injected_fault,
 )
-from mlx_trio.engine.sampling_defaults import SamplingDefaults
-from mlx_trio.engine.text import byte_level_table
+from .sampling_defaults import SamplingDefaults
+from .text import byte_level_table
 
 ProgressCallback = Callable[[int, int], None]
 

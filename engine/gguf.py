@@ -21,12 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from mlx_trio.engine.errors import ModelImportError, UnsupportedModelError
-from mlx_trio.engine.gguf_header import read_header
-from mlx_trio.engine.manifest import sha256_file, write_manifest
+from .errors import ModelImportError, UnsupportedModelError
+from .gguf_header import read_header
+from .manifest import sha256_file, write_manifest
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -22,11 +25,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_config, load_tokenizer
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from mlx_trio.engine._blas import gfortran_source, openblas_path
-from mlx_trio.engine.errors import InvalidRequestError, UnsupportedModelError
-from mlx_trio.engine.gguf import Progress
-from mlx_trio.engine.model_store import resolve_model
-from mlx_trio.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ._blas import gfortran_source, openblas_path
+from .errors import InvalidRequestError, UnsupportedModelError
+from .gguf import Progress
+from .model_store import resolve_model
+from .sampling_defaults import NO_DEFAULTS, SamplingDefaults
 
 logger = logging.getLogger(__name__)
 

@@ -29,16 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from mlx_trio.engine.errors import ModelImportError, ModelNotFoundError, UnsupportedModelError
-from mlx_trio.engine.gguf import Progress, import_gguf, reporter
-from mlx_trio.engine.gguf_header import is_gguf
-from mlx_trio.engine.manifest import (
+from .errors import ModelImportError, ModelNotFoundError, UnsupportedModelError
+from .gguf import Progress, import_gguf, reporter
+from .gguf_header import is_gguf
+from .manifest import (
     manifest_problem,
     sha256_file,
     write_file_atomically,
     write_manifest,
 )
-from mlx_trio.engine.sampling_defaults import GENERATION_CONFIG, HF_KEYS
+from .sampling_defaults import GENERATION_CONFIG, HF_KEYS
 
 logger = logging.getLogger(__name__)
 

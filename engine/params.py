@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
-from mlx_trio.engine.errors import InvalidRequestError
+from .errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20

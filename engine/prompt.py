@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_trio.engine.errors import ContextLengthExceededError, InvalidRequestError
+from .errors import ContextLengthExceededError, InvalidRequestError
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 

@@ -14,10 +14,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from mlx_trio.engine.outputs import PromptCacheStatistics
+from .outputs import PromptCacheStatistics
 
 logger = logging.getLogger(__name__)
 

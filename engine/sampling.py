@@ -22,10 +22,13 @@ import secrets
 from collections.abc import Callable
 from functools import partial
 
+from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, greedy_sampler, make_logits_processors
 
-from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from .params import PreparedRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 

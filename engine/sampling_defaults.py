@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from mlx_trio.engine.errors import InvalidRequestError
-from mlx_trio.engine.params import SamplingParams
+from .errors import InvalidRequestError
+from .params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,14 +19,17 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
+from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlx_trio.engine.batch_rows import BatchRow, PromptStart
-from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.sampling import with_history
+from .batch_rows import BatchRow, PromptStart
+from .generate import Engine
+from .sampling import with_history
 
 
 @dataclass(slots=True)

@@ -20,9 +20,12 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
-from mlx_trio.engine.stops import StopStringMatcher
+from .stops import StopStringMatcher
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper

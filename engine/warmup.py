@@ -25,11 +25,14 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
 import mlx.core as mx
 
-from mlx_trio.engine.batch import BatchEngine
-from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from .batch import BatchEngine
+from .generate import Engine
+from .params import PreparedRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 

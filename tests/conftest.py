@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-import mlx_trio.engine  # noqa: F401  (loads OpenBLAS before anything imports MLX)
+import mlx_trio.engine._blas  # noqa: F401  (loads OpenBLAS before anything imports MLX)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,7 +1,7 @@
 """MLX uses OpenBLAS on Linux x86-64: a 1024x1024 f32 matmul is far faster than without it.
 
 Relative, not a timed threshold: the same matmul in two fresh interpreters, one importing MLX
-through mlx_trio.engine (which loads OpenBLAS first) and one importing MLX alone. Where OpenBLAS
+after mlx_trio.api (which loads OpenBLAS first) and one importing MLX alone. Where OpenBLAS
 cannot load, the engine warns and MLX keeps the reference BLAS. tests/test_install.py proves the
 load without the system's libgfortran.
 """
@@ -26,7 +26,7 @@ LINUX_X86_64 = pytest.mark.skipif(
 BENCH = """
 import sys, time
 if sys.argv[1] == "mlx_trio":
-    import mlx_trio.engine
+    import mlx_trio.api
 import mlx.core as mx
 a = mx.random.normal((1024, 1024)); mx.eval(a @ a)
 best = float("inf")
@@ -38,7 +38,7 @@ print(best)
 
 def matmul_seconds(mode: str, python: str = sys.executable) -> float:
     """The best of five 1024x1024 f32 matmuls in a fresh interpreter; ``mode`` is ``mlx_trio``
-    (MLX imported through mlx_trio.engine) or ``plain``."""
+    (MLX imported after mlx_trio.api) or ``plain``."""
     out = subprocess.run([python, "-c", BENCH, mode], check=True, capture_output=True, text=True)
     return float(out.stdout.strip())
 

@@ -180,6 +180,13 @@ def test_a_path_as_model_is_named_back_and_never_opened(client):
     assert reply.json()["error"]["message"] == message
 
 
+def test_a_long_unknown_model_name_is_said_back_cut_short(client):
+    reply = client.post("/v1/chat/completions", json=chat_body(model="m" * 10_000))
+    assert reply.status_code == 404
+    message = f"The model '{'m' * 61}...' does not exist; this server serves 'scripted'"
+    assert reply.json()["error"]["message"] == message
+
+
 def test_an_over_long_prompt_is_refused_before_the_stream_starts(client):
     reply = client.post(
         "/v1/chat/completions", json=chat_body(content="y" * 5000, max_tokens=10, stream=True)

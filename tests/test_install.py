@@ -3,7 +3,7 @@
 The issue: ``pip install mlx-trio`` on a Linux without Debian's ``libgfortran5`` crashed at import.
 Each system copy is hidden in a private mount namespace (``unshare --mount``, which needs root):
 an empty file is bind-mounted over it, and the child first checks that ``libgfortran.so.5`` no
-longer loads. Then it imports ``mlx_trio.engine`` and times a matmul, compared with plain MLX's
+longer loads. Then it imports ``mlx_trio.api`` and times a matmul, compared with plain MLX's
 reference BLAS in the same environment. Once in this checkout's environment, once in a fresh venv
 with the checkout pip-installed (not editable), as a user gets it.
 """
@@ -39,7 +39,7 @@ except OSError:
     pass
 else:
     sys.exit("the system's libgfortran.so.5 is still loadable: the test hides nothing")
-import mlx_trio.engine
+import mlx_trio.api
 from mlx_trio.engine._blas import gfortran_source, openblas_path
 import mlx.core as mx
 a = mx.random.normal((1024, 1024)); mx.eval(a @ a)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 SCRIPTED_RUN = """
 import sys
 
@@ -37,3 +39,25 @@ def test_the_actors_and_a_scripted_run_import_no_mlx():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+SHARED_TYPES = """
+import sys
+
+import mlx_trio.actors.batch_group, mlx_trio.actors.runtime, mlx_trio.actors.scripted
+import mlx_trio.engine.errors, mlx_trio.engine.outputs, mlx_trio.engine.params
+import mlx_trio.engine.prompt, mlx_trio.engine.sampling_defaults, mlx_trio.engine.stops
+
+with open("/proc/self/maps") as maps:
+    blas = any("libopenblas" in line for line in maps)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("mlx", "mlx_lm")), blas)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_the_shared_types_and_the_actors_load_neither_mlx_nor_openblas():
+    result = subprocess.run(
+        [sys.executable, "-c", SHARED_TYPES], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[] False"

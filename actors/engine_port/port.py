@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from mlx_trio.engine.calls import (
+from ...engine.calls import (
     BatchAdd,
     BatchPark,
     BatchRemove,
@@ -35,12 +35,12 @@ from mlx_trio.engine.calls import (
     SerialStep,
     SerialStop,
 )
-from mlx_trio.engine.generate import RequestPreparer
-from mlx_trio.engine.outputs import PromptCacheStatistics, RowEvent
-from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.prompt import Prompt
-from mlx_trio.engine.sampling_defaults import SamplingDefaults
-from mlx_trio.engine.warmup import WarmupReport
+from ...engine.generate import RequestPreparer
+from ...engine.outputs import PromptCacheStatistics, RowEvent
+from ...engine.params import PreparedRequest, SamplingParams
+from ...engine.prompt import Prompt
+from ...engine.sampling_defaults import SamplingDefaults
+from ...engine.warmup import WarmupReport
 
 R = TypeVar("R")
 T = TypeVar("T")

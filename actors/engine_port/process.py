@@ -29,11 +29,11 @@ from typing import Any, TypeVar, cast
 
 import trio
 
-from mlx_trio.actors.engine_port.port import CorePort
-from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
-from mlx_trio.engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
-from mlx_trio.engine.child import EngineProcessError, serve_engine
-from mlx_trio.engine.generate import Engine, RequestPreparer
+from ...engine.batch import DEFAULT_PREFILL_CHUNK
+from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
+from ...engine.child import EngineProcessError, serve_engine
+from ...engine.generate import Engine, RequestPreparer
+from .port import CorePort
 
 __all__ = ["EngineProcessError", "ProcessEngine", "ProcessTransport", "open_process_engine"]
 
@@ -205,7 +205,7 @@ class ProcessEngine(CorePort):
         """Like ``ThreadedEngine.load``: the tokenizer here (resolving, and importing if need
         be, ``spec`` first), the model in the child, warmed up before this yields. On exit
         (cancelled or not) the child is ended."""
-        from mlx_trio.engine.loader import load_tokenizer_only
+        from ...engine.loader import load_tokenizer_only
 
         loaded = await trio.to_thread.run_sync(load_tokenizer_only, spec)
         preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)

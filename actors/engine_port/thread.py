@@ -32,12 +32,12 @@ from typing import Any, TypeVar, cast
 import outcome
 import trio
 
-from mlx_trio.actors.engine_port.port import CorePort
-from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
-from mlx_trio.engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply, answer
-from mlx_trio.engine.core import EngineCore, clear_thread_streams
-from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.warmup import warm_up
+from ...engine.batch import DEFAULT_PREFILL_CHUNK
+from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply, answer
+from ...engine.core import EngineCore, clear_thread_streams
+from ...engine.generate import Engine
+from ...engine.warmup import warm_up
+from .port import CorePort
 
 logger = logging.getLogger(__name__)
 

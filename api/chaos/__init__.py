@@ -23,10 +23,10 @@ and its tables), ``run`` (running a plan, the fault timing, the hang probe, :fun
 and :func:`run_on_model`). This package re-exports their public names.
 """
 
-from mlx_trio.api.chaos.client import Client, InProcessClient
-from mlx_trio.api.chaos.http_client import HttpClient
-from mlx_trio.api.chaos.invariants import Check, Expected, allowed_outcomes, check
-from mlx_trio.api.chaos.plan import (
+from .client import Client, InProcessClient
+from .http_client import HttpClient
+from .invariants import Check, Expected, allowed_outcomes, check
+from .plan import (
     CLIENT_KINDS,
     ENGINE_KINDS,
     FAULT_KINDS,
@@ -36,9 +36,9 @@ from mlx_trio.api.chaos.plan import (
     RequestPlan,
     TimedFault,
 )
-from mlx_trio.api.chaos.report import ChaosReport
-from mlx_trio.api.chaos.results import HealthProbe, RequestResult, RunResult
-from mlx_trio.api.chaos.run import run_on_model, run_plan, run_scripted, scripted_reference
+from .report import ChaosReport
+from .results import HealthProbe, RequestResult, RunResult
+from .run import run_on_model, run_plan, run_scripted, scripted_reference
 
 __all__ = [
     "CLIENT_KINDS",

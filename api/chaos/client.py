@@ -10,7 +10,7 @@ from typing import Protocol
 
 import trio
 
-from mlx_trio.actors.messages import (
+from ...actors.messages import (
     Cancelled,
     Completed,
     Failed,
@@ -18,12 +18,12 @@ from mlx_trio.actors.messages import (
     TextDelta,
     describe,
 )
-from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.runtime import RuntimeConfig, RuntimeStatistics
-from mlx_trio.api.chaos.plan import RequestPlan
-from mlx_trio.api.chaos.results import RequestResult
-from mlx_trio.api.inprocess import RuntimeHandle, open_runtime
-from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
+from ...actors.port import EnginePort
+from ...actors.runtime import RuntimeConfig, RuntimeStatistics
+from ...engine.errors import OverloadedError, RuntimeClosedError
+from ..inprocess import RuntimeHandle, open_runtime
+from .plan import RequestPlan
+from .results import RequestResult
 
 
 class Client(Protocol):

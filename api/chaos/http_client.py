@@ -14,14 +14,14 @@ from typing import Any
 import httpx
 import trio
 
-from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.runtime import RuntimeConfig, RuntimeStatistics
-from mlx_trio.api.chaos.client import Client
-from mlx_trio.api.chaos.plan import ClientFault, RequestPlan
-from mlx_trio.api.chaos.results import RequestResult
-from mlx_trio.api.http_state import AppState
-from mlx_trio.api.server import ServeOptions, serve
-from mlx_trio.engine.outputs import PromptCacheStatistics
+from ...actors.port import EnginePort
+from ...actors.runtime import RuntimeConfig, RuntimeStatistics
+from ...engine.outputs import PromptCacheStatistics
+from ..http_state import AppState
+from ..server import ServeOptions, serve
+from .client import Client
+from .plan import ClientFault, RequestPlan
+from .results import RequestResult
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlx_trio.api.chaos.plan import RequestPlan
-from mlx_trio.api.chaos.results import RequestResult, RunResult
+from .plan import RequestPlan
+from .results import RequestResult, RunResult
 
 
 @dataclass(frozen=True, slots=True)

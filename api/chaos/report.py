@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from mlx_trio.api.chaos.invariants import Check
-from mlx_trio.api.chaos.results import RunResult
+from .invariants import Check
+from .results import RunResult
 
 
 @dataclass(frozen=True, slots=True)

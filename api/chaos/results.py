@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from mlx_trio.actors.runtime import RuntimeStatistics
-from mlx_trio.api.chaos.plan import FaultPlan, RequestPlan
+from ...actors.runtime import RuntimeStatistics
+from .plan import FaultPlan, RequestPlan
 
 
 @dataclass

@@ -13,22 +13,22 @@ from dataclasses import replace
 
 import trio
 
-from mlx_trio.actors.batch_group import MAX_STEPS_PER_CALL
-from mlx_trio.actors.faulty import FaultyEngine, RowFault, StepFault
-from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.runtime import RuntimeConfig
-from mlx_trio.api.chaos.client import Client, open_in_process
-from mlx_trio.api.chaos.http_client import open_over_http
-from mlx_trio.api.chaos.invariants import Expected, check
-from mlx_trio.api.chaos.plan import (
+from ...actors.batch_group import MAX_STEPS_PER_CALL
+from ...actors.faulty import FaultyEngine, RowFault, StepFault
+from ...actors.port import EnginePort
+from ...actors.runtime import RuntimeConfig
+from .client import Client, open_in_process
+from .http_client import open_over_http
+from .invariants import Expected, check
+from .plan import (
     ROW_FAULT_KINDS,
     ClientFault,
     FaultPlan,
     RequestPlan,
     TimedFault,
 )
-from mlx_trio.api.chaos.report import ChaosReport
-from mlx_trio.api.chaos.results import HealthProbe, RequestResult, RunResult
+from .report import ChaosReport
+from .results import HealthProbe, RequestResult, RunResult
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ async def _probe_health(client: Client, config: RuntimeConfig, probes: list[Heal
 
 def scripted_reference(plan: RequestPlan) -> Expected:
     """The tokens and text the scripted engine gives a request with no fault."""
-    from mlx_trio.actors.scripted import expected_tokens, token_text
+    from ...actors.scripted import expected_tokens, token_text
 
     tokens = expected_tokens(tuple(ord(c) for c in plan.prompt), plan.max_tokens)
     return Expected(tokens, "".join(token_text(t) for t in tokens))
@@ -177,7 +177,7 @@ def scripted_reference(plan: RequestPlan) -> Expected:
 async def run_scripted(plan: FaultPlan, *, step_s: float = 0.01, http: bool = False) -> ChaosReport:
     """Run a plan on the scripted engine (in-process: use a MockClock for speed; over HTTP it
     runs in real time, as sockets need)."""
-    from mlx_trio.actors.scripted import Script, ScriptedEngine
+    from ...actors.scripted import Script, ScriptedEngine
 
     run = await run_plan(plan, ScriptedEngine(Script(step_s=step_s)), http=http)
     return ChaosReport(run, check(run, scripted_reference))
@@ -190,7 +190,7 @@ async def run_on_model(
     tokens and text; then the plan runs on the same engine, in-process or over HTTP. The step
     watchdog is at least ``MODEL_STEP_TIMEOUT_S``: a plan's 1 s suits the scripted engine's
     steps, while a real model's prefill on a busy 2-core machine can take longer."""
-    from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
+    from ...actors.engine_port.thread import EngineThread, ThreadedEngine
 
     watchdog = max(plan.config.step_timeout_s, MODEL_STEP_TIMEOUT_S)
     plan = replace(plan, config=replace(plan.config, step_timeout_s=watchdog))
