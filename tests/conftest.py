@@ -18,3 +18,12 @@ def tiny_engine():
     from tests.tiny import make_loaded
 
     return Engine(make_loaded(), prefill_step_size=16)
+
+
+@pytest.fixture
+def client(server):
+    """An httpx client of the module's ``server`` fixture."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        yield http

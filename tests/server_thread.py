@@ -9,6 +9,9 @@ from dataclasses import replace
 import trio
 
 from mlx_trio.actors.port import EnginePort
+from mlx_trio.actors.runtime import RuntimeConfig
+from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions, serve
 
 
@@ -62,3 +65,9 @@ class ServerThread:
         assert not self._thread.is_alive(), "the test server did not stop"
         if self._error is not None:
             raise RuntimeError("the test server failed") from self._error
+
+
+def scripted_server(runtime: RuntimeConfig, http: HttpSettings) -> ServerThread:
+    """The real server over a fast scripted engine (2 ms a step), for the HTTP edge's tests."""
+    options = ServeOptions(runtime=runtime, http=http)
+    return ServerThread(options, engine=ScriptedEngine(Script(step_s=0.002)))

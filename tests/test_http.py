@@ -18,7 +18,7 @@ from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens, token_text
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions
-from tests.server_thread import ServerThread
+from tests.server_thread import ServerThread, scripted_server
 
 MODEL = "scripted"
 
@@ -33,18 +33,11 @@ def chat_body(content: str = "hi", **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    options = ServeOptions(
-        runtime=RuntimeConfig(max_batch=8, max_live=64, max_queued=512, idle_timeout_s=5.0),
-        http=HttpSettings(max_body_bytes=64 * 1024, max_n=4),
-    )
-    with ServerThread(options, engine=ScriptedEngine(Script(step_s=0.002))) as running:
+    with scripted_server(
+        RuntimeConfig(max_batch=8, max_live=64, max_queued=512, idle_timeout_s=5.0),
+        HttpSettings(max_body_bytes=64 * 1024, max_n=4),
+    ) as running:
         yield running
-
-
-@pytest.fixture
-def client(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        yield http
 
 
 def stats(client: httpx.Client) -> dict:

@@ -15,24 +15,16 @@ from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.actors.scripted import Script, ScriptedEngine
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions
-from tests.server_thread import ServerThread
+from tests.server_thread import ServerThread, scripted_server
 from tests.test_http import MODEL, chat_body, expected_text, stats, wait_for
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    options = ServeOptions(
-        runtime=RuntimeConfig(max_batch=8, max_live=64, max_queued=64),
-        http=HttpSettings(max_n=4),
-    )
-    with ServerThread(options, engine=ScriptedEngine(Script(step_s=0.002))) as running:
+    with scripted_server(
+        RuntimeConfig(max_batch=8, max_live=64, max_queued=64), HttpSettings(max_n=4)
+    ) as running:
         yield running
-
-
-@pytest.fixture
-def client(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        yield http
 
 
 def completion_body(prompt: object, **extra: object) -> dict:

@@ -14,10 +14,9 @@ import pytest
 from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.actors.scripted import Script, ScriptedEngine
 from mlx_trio.api.http_state import HttpSettings
-from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt
-from tests.server_thread import ServerThread
+from tests.server_thread import ServerThread, scripted_server
 from tests.test_http import MODEL, chat_body, stats, wait_for
 
 CHAT = "/v1/chat/completions"
@@ -26,18 +25,11 @@ COMPLETIONS = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    options = ServeOptions(
-        runtime=RuntimeConfig(max_batch=8, max_live=64, max_queued=64),
-        http=HttpSettings(max_body_bytes=1024 * 1024, max_n=4),
-    )
-    with ServerThread(options, engine=ScriptedEngine(Script(step_s=0.002))) as running:
+    with scripted_server(
+        RuntimeConfig(max_batch=8, max_live=64, max_queued=64),
+        HttpSettings(max_body_bytes=1024 * 1024, max_n=4),
+    ) as running:
         yield running
-
-
-@pytest.fixture
-def client(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        yield http
 
 
 def nested(depth: int) -> str:
