@@ -1,4 +1,4 @@
-"""The ``mlx-trio`` command line: ``generate`` and ``pull``."""
+"""The ``mlx-trio`` command line: ``generate``, ``serve``, ``chaos``, ``pull`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import NoReturn
 from ..engine.errors import MlxTrioError
 from ..engine.params import SamplingParams
 from ..engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
+from . import bench as bench_harness
 
 logger = logging.getLogger("mlx_trio.cli")
 
@@ -182,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pull = commands.add_parser("pull", help="fetch and import the embedded default model")
     pull.add_argument("--force", action="store_true", help="re-download and re-import")
+
+    bench = commands.add_parser(
+        "bench", help="benchmark systems x scenarios x concurrency levels (design/014-bench.md)"
+    )
+    bench_harness.add_arguments(bench)
     return parser
 
 
@@ -329,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _chaos(args)
             case "pull":
                 return _pull(args)
+            case "bench":
+                return bench_harness.run(args)
     except MlxTrioError as exc:
         print(f"mlx-trio: error: {exc.message}", file=sys.stderr)
         return 1

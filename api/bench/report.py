@@ -1,23 +1,21 @@
-"""What ``bench.suite`` reports: its JSON, the markdown table, the ratios, the goals, the plot.
+"""What the harness reports: the markdown table, the ratios, the goals, the plot.
 
-Everything printed or drawn is computed from the JSON alone, so a saved ``suite.json`` can be
-reported again (``python -m bench.suite --report-only bench/results/suite.json``).
+Everything printed or drawn is computed from the JSON alone (``results``), so a saved
+``suite.json`` can be reported again (``mlx-trio bench --report-only suite.json``). The ratios,
+goals and plot are the default scenario's (``chat``); the table has every scenario.
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 from collections.abc import Mapping, Sequence
-from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from bench.suite import Measurement, Target
+from .results import MB, Measurement
+from .scenarios import DEFAULT_SCENARIO
 
-# name: (ours, theirs), keys of bench.suite.SYSTEMS
+# name: (ours, theirs), keys of systems.SYSTEMS
 PAIRS = {
     "inprocess_over_raw": ("mlx-trio-inprocess", "batch_generator"),
     "http_over_mlx_lm": ("mlx-trio-http", "mlx_lm-http"),
@@ -32,7 +30,6 @@ HTTP_PAIRS = ("http_over_mlx_lm", "http_over_mlx_lm_backlog")
 GOAL_LEVEL = 32
 GOAL_INPROCESS_RATIO = 0.95
 GOAL_HTTP_RATIO = 1.3
-MB = 1024 * 1024
 
 
 def pct(share: float | None) -> str:
@@ -71,87 +68,23 @@ def probe_line(trials: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
-# -- the JSON -------------------------------------------------------------------------------------
+def scenario_of(level: Mapping[str, Any]) -> str:
+    """A level row's scenario (files from before scenarios existed ran only ``chat``)."""
+    return level.get("scenario", DEFAULT_SCENARIO)
 
 
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-
-    def version(package: str) -> str:
-        try:
-            return metadata.version(package)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "mlx": version("mlx"),
-        "mlx_lm": version("mlx-lm"),
-        "mlx_trio": version("mlx-trio"),
-        "platform": platform.platform(),
-    }
+def scenarios_in(data: Mapping[str, Any]) -> list[str]:
+    """The scenarios measured, in the order first met."""
+    found = (scenario_of(lv) for sys in data["systems"] for lv in sys["levels"])
+    return list(dict.fromkeys(found))
 
 
-def _level_row(m: Measurement) -> dict[str, Any]:
-    return {
-        **m.result.summary(),
-        "other_cpu_share": m.other_cpu_share,
-        "peak_rss_mb": None if m.peak_rss_bytes is None else m.peak_rss_bytes / MB,
-        "requests": [r.to_json() for r in m.result.requests],
-    }
-
-
-def to_json(
-    *,
-    targets: Mapping[str, Target],
-    measurements: Sequence[Measurement],
-    probe: dict | None,
-    idle_other_share: float | None,
-    settings: dict[str, Any],
-) -> dict[str, Any]:
-    systems = []
-    for key, target in targets.items():
-        levels = [_level_row(m) for m in measurements if m.key == key]
-        systems.append(
-            {
-                "key": key,
-                "label": target.label,
-                "kind": target.kind,
-                "startup_s": target.startup_s,
-                "error": target.error,
-                "levels": sorted(levels, key=lambda lv: lv["clients"]),
-            }
-        )
-    data: dict[str, Any] = {
-        "machine": machine(),
-        "settings": {
-            **settings,
-            "model": "SmolLM2-135M-Instruct (embedded default), float32 on CPU, OpenBLAS",
-            "stream_generate": "1 stream only: mlx-lm's stream_generate serves one at a time",
-            "peak_rss": "VmHWM of the system's process, reset before each run (clear_refs)",
-        },
-        "idle_other_cpu_share": idle_other_share,
-        "systems": systems,
-        "cancel_probe": probe,
-    }
-    data["ratios"] = ratios(data)
-    data["goals"] = goals(data)
-    return data
-
-
-def _by_level(data: Mapping[str, Any], key: str) -> dict[int, dict[str, Any]]:
+def _by_level(
+    data: Mapping[str, Any], key: str, scenario: str = DEFAULT_SCENARIO
+) -> dict[int, dict[str, Any]]:
     for system in data["systems"]:
         if system["key"] == key:
-            return {lv["clients"]: lv for lv in system["levels"]}
+            return {lv["clients"]: lv for lv in system["levels"] if scenario_of(lv) == scenario}
     return {}
 
 
@@ -262,6 +195,28 @@ def goals(data: Mapping[str, Any]) -> list[dict[str, Any]]:
 # -- printing and plotting ------------------------------------------------------------------------
 
 
+def _level_table(data: Mapping[str, Any], scenario: str) -> list[str]:
+    lines = [
+        "| streams | system | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        "| errors | peak RSS MB | other CPU |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    levels = sorted({lv["clients"] for sys in data["systems"] for lv in sys["levels"]})
+    for clients in levels:
+        for system in data["systems"]:
+            lv = _by_level(data, system["key"], scenario).get(clients)
+            if lv is None:
+                continue
+            errors = f"{lv['num_errors']} {lv['errors']}" if lv["errors"] else "0"
+            rss = "-" if lv["peak_rss_mb"] is None else f"{lv['peak_rss_mb']:.0f}"
+            lines.append(
+                f"| {clients} | {system['label']} | {lv['tokens_per_s']:.1f} "
+                f"| {_ms(lv['ttft_p50_s'])} | {_ms(lv['ttft_p99_s'])} | {_ms(lv['itl_p50_s'])} "
+                f"| {_ms(lv['itl_p99_s'])} | {errors} | {rss} | {pct(lv['other_cpu_share'])} |"
+            )
+    return lines
+
+
 def markdown(data: Mapping[str, Any]) -> str:
     m, s = data["machine"], data["settings"]
     lines = [
@@ -273,24 +228,12 @@ def markdown(data: Mapping[str, Any]) -> str:
         "default prompt caches (which reuse the chat template's shared prefix); the in-process "
         "systems have none. Peak RSS: the system's process during that run. Other CPU: the share "
         "of the machine other processes took meanwhile.",
-        "",
-        "| streams | system | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-        "| errors | peak RSS MB | other CPU |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
-    levels = sorted({lv["clients"] for sys in data["systems"] for lv in sys["levels"]})
-    for clients in levels:
-        for system in data["systems"]:
-            lv = _by_level(data, system["key"]).get(clients)
-            if lv is None:
-                continue
-            errors = f"{lv['num_errors']} {lv['errors']}" if lv["errors"] else "0"
-            rss = "-" if lv["peak_rss_mb"] is None else f"{lv['peak_rss_mb']:.0f}"
-            lines.append(
-                f"| {clients} | {system['label']} | {lv['tokens_per_s']:.1f} "
-                f"| {_ms(lv['ttft_p50_s'])} | {_ms(lv['ttft_p99_s'])} | {_ms(lv['itl_p50_s'])} "
-                f"| {_ms(lv['itl_p99_s'])} | {errors} | {rss} | {pct(lv['other_cpu_share'])} |"
-            )
+    measured = scenarios_in(data)
+    for scenario in measured:
+        if measured != [DEFAULT_SCENARIO]:
+            lines += ["", f"Scenario {scenario}:"]
+        lines += ["", *_level_table(data, scenario)]
     for system in data["systems"]:
         if system["error"]:
             lines.append(f"| - | {system['label']} | {system['error']} | | | | | | | |")
@@ -331,7 +274,7 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
     levels = sorted({lv["clients"] for sys in data["systems"] for lv in sys["levels"]})
     failed_label = "some requests failed (not like for like)"
     for system in data["systems"]:
-        points = sorted(system["levels"], key=lambda lv: lv["clients"])
+        points = sorted(_by_level(data, system["key"]).values(), key=lambda lv: lv["clients"])
         if not points:
             continue
         xs = [lv["clients"] for lv in points]
@@ -381,16 +324,12 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def finish(data: dict[str, Any], png: Path) -> None:
-    """Print the table, the ratios and the goals (computed afresh); draw the plot to ``png``."""
+def render(data: dict[str, Any]) -> str:
+    """The table, the ratios and the goals as markdown; ratios and goals computed afresh."""
     data["ratios"] = ratios(data)
     data["goals"] = goals(data)
-    plot(data, png)
-    print()
-    print(markdown(data))
-    print()
-    print("Goals:")
-    print(goal_lines(data))
+    text = f"{markdown(data)}\n\nGoals:\n{goal_lines(data)}"
     if data.get("total_s") is not None:
         minutes, seconds = divmod(data["total_s"], 60)
-        print(f"\nTotal run time: {int(minutes)} min {seconds:.0f} s")
+        text += f"\n\nTotal run time: {int(minutes)} min {seconds:.0f} s"
+    return text

@@ -1,11 +1,11 @@
-"""The in-process systems of ``bench.suite``, one per subprocess, driven over a pipe.
+"""The in-process systems of the harness, one per subprocess, driven over a pipe.
 
-``python -m bench.suite_inprocess SYSTEM`` loads the default model (float32 on CPU, prompt
+``python -m mlx_trio.api.bench.worker SYSTEM`` loads the default model (float32 on CPU, prompt
 cache off), prints one ready line, then answers one JSON line on stdout per JSON line on stdin:
 
-- ``{"op": "run", "clients": N, "max_tokens": M, "prompt_offset": K}``: N streams of the chat
-  prompts K..K+N-1 of ``bench.http_load.prompt``, greedy; the answer is the wall time and one
-  ``RequestResult`` per stream, measured as ``bench.chat_stream`` measures an HTTP stream.
+- ``{"op": "run", "scenario": S, "clients": N, "max_tokens": M, "prompt_offset": K}``: N
+  streams of scenario S's prompts K..K+N-1 (``scenarios.SCENARIOS``), greedy; the answer is the
+  wall time and one ``RequestResult`` per stream, measured as ``stream`` measures an HTTP one.
 - ``{"op": "cancel_probe", "streams": 8, "trials": 5, "prompt_offset": K}`` (``mlx-trio``
   only): with ``streams`` running, cancel one and count the batch steps started between the
   cancel and the row leaving the batch; one answer row per trial.
@@ -31,27 +31,25 @@ from typing import TextIO
 
 import trio
 
-from bench.chat_stream import RequestResult, StreamProgress
-from bench.http_load import prompt
-from bench.systems import MAX_BATCH, PREFILL_BATCH, PREFILL_CHUNK
-from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
-from mlx_trio.actors.messages import (
+from ...actors.engine_port.thread import EngineThread, ThreadedEngine
+from ...actors.messages import (
     Cancelled,
     Completed,
     Failed,
     GenerationRequest,
     TextDelta,
 )
-from mlx_trio.actors.runtime import RuntimeConfig
-from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle, open_runtime
-from mlx_trio.engine.errors import MlxTrioError
-from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
+from ...actors.runtime import RuntimeConfig
+from ...engine.errors import MlxTrioError
+from ...engine.generate import Engine
+from ...engine.params import SamplingParams
+from ...engine.prompt import ChatMessage
+from ..inprocess import RuntimeHandle, SessionHandle, open_runtime
+from .scenarios import DEFAULT_SCENARIO, SCENARIOS, prompt
+from .stream import RequestResult, StreamProgress
+from .systems import MAX_BATCH, PREFILL_BATCH, PREFILL_CHUNK, WARMUP_CLIENTS, WARMUP_MAX_TOKENS
 
 SYSTEMS = ("stream_generate", "batch_generator", "mlx-trio")
-WARMUP_CLIENTS = 4
-WARMUP_MAX_TOKENS = 8
 PROBE_MAX_TOKENS = 256
 PROBE_TOKENS_BEFORE_CANCEL = 3
 PROBE_WAIT_S = 60.0
@@ -61,6 +59,11 @@ Handler = Callable[[dict], Awaitable[dict]]
 
 def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def _prompt_of(command: dict) -> Callable[[int], str]:
+    """The prompts of the command's scenario (``chat`` if it names none)."""
+    return SCENARIOS[command.get("scenario", DEFAULT_SCENARIO)].prompt
 
 
 def _tokens(engine: Engine, text: str, max_tokens: int) -> list[int]:
@@ -139,8 +142,9 @@ def raw_handler(system: str, engine: Engine) -> Handler:
             raise ValueError(f"{system} does not do {command['op']!r}")
         max_tokens = command["max_tokens"]
         first = command["prompt_offset"]
+        prompt_of = _prompt_of(command)
         prompts = [
-            _tokens(engine, prompt(first + i), max_tokens) for i in range(command["clients"])
+            _tokens(engine, prompt_of(first + i), max_tokens) for i in range(command["clients"])
         ]
         started = time.perf_counter()
         requests = run(engine, prompts, max_tokens)
@@ -202,12 +206,14 @@ async def _stream(rt: RuntimeHandle, index: int, text: str, max_tokens: int) -> 
     return _result(index, progress, time.perf_counter(), error)
 
 
-async def run_runtime(rt: RuntimeHandle, first: int, clients: int, max_tokens: int) -> dict:
+async def run_runtime(
+    rt: RuntimeHandle, prompt_of: Callable[[int], str], first: int, clients: int, max_tokens: int
+) -> dict:
     results: list[dict] = [{}] * clients
     started = time.perf_counter()
 
     async def one(i: int) -> None:
-        results[i] = await _stream(rt, i, prompt(first + i), max_tokens)
+        results[i] = await _stream(rt, i, prompt_of(first + i), max_tokens)
 
     async with trio.open_nursery() as nursery:
         for i in range(clients):
@@ -275,7 +281,11 @@ def runtime_handler(rt: RuntimeHandle, port: WatchedEngine) -> Handler:
         match command["op"]:
             case "run":
                 return await run_runtime(
-                    rt, command["prompt_offset"], command["clients"], command["max_tokens"]
+                    rt,
+                    _prompt_of(command),
+                    command["prompt_offset"],
+                    command["clients"],
+                    command["max_tokens"],
                 )
             case "cancel_probe":
                 trials = []

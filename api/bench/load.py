@@ -1,0 +1,298 @@
+"""Streaming chat-completion load against any OpenAI-compatible server on a loopback address.
+
+``clients`` concurrent clients each send ``requests_per_client`` streaming requests in sequence
+(``POST {url}/v1/chat/completions``, ``stream: true``, usage requested, greedy, fixed
+``max_tokens``), each with its own prompt from a fixed list. Per request it measures the time to
+the first non-empty content delta (TTFT), the gaps between successive content chunks
+(inter-token latency, ITL), the completion tokens (the usage chunk's count, else the number of
+content chunks) and what went wrong, if anything. The run reports generated tokens per second
+of wall time over the whole run, TTFT and ITL percentiles, and errors by kind.
+
+This is the harness's one load generator: ``mlx-trio bench`` drives both servers with it, and
+``python -m bench.http_load --url http://127.0.0.1:8000 --clients 8`` runs it alone. Only
+loopback URLs are accepted: this benchmark never loads a remote host.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from functools import partial
+
+import httpx
+import trio
+
+from .scenarios import prompt
+from .stream import RequestResult, run_request
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+RUN_TIMEOUT_MARGIN_S = 60.0
+RUN_STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """A whole run: throughput, latency percentiles (seconds) and errors by kind.
+
+    ``tokens_per_s`` is the completion tokens of the successful requests over the wall time of
+    the whole run (first request sent to last client done). TTFT and ITL percentiles cover every
+    request that measured them, failed or not; None when there were no samples.
+    """
+
+    url: str
+    model: str
+    clients: int
+    requests_per_client: int
+    max_tokens: int
+    wall_s: float
+    num_requests: int
+    num_ok: int
+    completion_tokens: int
+    tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    errors: dict[str, int]
+    requests: tuple[RequestResult, ...]
+
+    @property
+    def num_errors(self) -> int:
+        return self.num_requests - self.num_ok
+
+    def summary(self) -> dict[str, object]:
+        """Everything but the per-request list, JSON-ready."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "requests"}
+        return {**out, "errors": dict(self.errors), "num_errors": self.num_errors}
+
+
+def check_loopback(url: str) -> httpx.URL:
+    """Parse ``url``; raise ValueError unless it is http(s) on a loopback host."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"not a URL: {url!r} ({exc})") from None
+    if parsed.scheme not in ("http", "https"):
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    host = parsed.host
+    try:
+        is_loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        is_loopback = False
+    if not is_loopback:
+        raise ValueError(
+            f"refusing non-loopback URL {url!r}: this benchmark only targets loopback hosts "
+            "(localhost, 127.0.0.0/8, ::1)"
+        )
+    return parsed
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), interpolating linearly between ranks; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+async def fetch_model_id(client: httpx.AsyncClient) -> str:
+    """The first model id listed by ``GET /v1/models``.
+
+    Raises RuntimeError if the listing fails, is not JSON or is empty (pass ``model`` then).
+    """
+    where = f"GET {client.base_url.join('/v1/models')}"
+    try:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        ids = [str(m["id"]) for m in response.json().get("data") or []]
+    except (httpx.HTTPError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
+        raise RuntimeError(f"{where} failed ({exc!r}); give the model id explicitly") from None
+    if not ids:
+        raise RuntimeError(f"{where} lists no model; give the model id explicitly")
+    return ids[0]
+
+
+async def _client_loop(
+    client: httpx.AsyncClient,
+    *,
+    client_id: int,
+    bodies: Sequence[dict],
+    timeout_s: float,
+    deadline: float,
+    results: list[RequestResult],
+) -> None:
+    """Send ``bodies`` one after another until ``deadline`` (``trio.current_time()``).
+
+    Appends each outcome to ``results`` (this client's own list). A request cut short by the
+    deadline is a ``run_timeout`` error that keeps its measurements; requests not sent by then
+    are not appended.
+    """
+    for index, body in enumerate(bodies):
+        remaining = deadline - trio.current_time()
+        if remaining <= 0:
+            return
+        result = await run_request(
+            client,
+            client_id=client_id,
+            index=index,
+            body=body,
+            timeout_s=min(timeout_s, remaining),
+            timeout_kind="timeout" if timeout_s <= remaining else "run_timeout",
+        )
+        results.append(result)
+
+
+def _request_body(model: str, text: str, max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        "repetition_penalty": 1.0,  # not the model's default: the raw runs compared have none
+        "max_tokens": max_tokens,
+    }
+
+
+def summarize(
+    *,
+    url: str,
+    model: str,
+    clients: int,
+    requests_per_client: int,
+    max_tokens: int,
+    wall_s: float,
+    requests: Sequence[RequestResult],
+) -> LoadResult:
+    """Aggregate per-request results into a LoadResult (see its docstring for definitions)."""
+    ok = [r for r in requests if r.is_ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
+    gaps = [g for r in requests for g in r.inter_token_s]
+    errors = Counter(r.error for r in requests if r.error is not None)
+    return LoadResult(
+        url=url,
+        model=model,
+        clients=clients,
+        requests_per_client=requests_per_client,
+        max_tokens=max_tokens,
+        wall_s=wall_s,
+        num_requests=len(requests),
+        num_ok=len(ok),
+        completion_tokens=tokens,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(gaps, 50),
+        itl_p99_s=percentile(gaps, 99),
+        errors=dict(sorted(errors.items())),
+        requests=tuple(requests),
+    )
+
+
+async def run_load(
+    url: str,
+    *,
+    clients: int,
+    max_tokens: int,
+    model: str | None = None,
+    requests_per_client: int = 1,
+    api_key: str | None = None,
+    prompt_offset: int = 0,
+    prompt_of: Callable[[int], str] = prompt,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    run_timeout_s: float | None = None,
+) -> LoadResult:
+    """Run ``clients`` concurrent streaming clients against ``url`` and measure them.
+
+    Client ``c`` sends prompts ``prompt_of(prompt_offset + c * requests_per_client + i)``
+    (a scenario's ``prompt``; the default is the ``chat`` scenario's). ``model`` is
+    the first id of ``GET /v1/models`` unless given. Each request is bounded by
+    ``request_timeout_s``; the run by ``run_timeout_s`` (default: every request's timeout in
+    sequence plus a margin): requests cut short or not sent by then count as ``run_timeout``.
+    Raises ValueError for a non-loopback URL or bad counts. Cancelled: connections are closed
+    and nothing is returned.
+    """
+    base = check_loopback(url)
+    if clients < 1 or requests_per_client < 1 or max_tokens < 1:
+        raise ValueError("clients, requests_per_client and max_tokens must be at least 1")
+    if run_timeout_s is None:
+        run_timeout_s = request_timeout_s * requests_per_client + RUN_TIMEOUT_MARGIN_S
+    if request_timeout_s <= 0 or run_timeout_s <= 0:
+        raise ValueError("request_timeout_s and run_timeout_s must be positive")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(
+        base_url=base,
+        headers=headers,
+        timeout=httpx.Timeout(request_timeout_s),
+        limits=httpx.Limits(max_connections=clients, max_keepalive_connections=clients),
+        trust_env=False,  # never route loopback traffic through a proxy from the environment
+    ) as client:
+        if model is None:
+            model = await fetch_model_id(client)
+        per_client: list[list[RequestResult]] = [[] for _ in range(clients)]
+        started = time.perf_counter()
+        deadline = trio.current_time() + run_timeout_s
+        with trio.move_on_at(deadline + RUN_STOP_GRACE_S):  # a net: requests stop at deadline
+            async with trio.open_nursery() as nursery:
+                for c in range(clients):
+                    first = prompt_offset + c * requests_per_client
+                    bodies = [
+                        _request_body(model, prompt_of(first + i), max_tokens)
+                        for i in range(requests_per_client)
+                    ]
+                    loop = partial(
+                        _client_loop,
+                        client,
+                        client_id=c,
+                        bodies=bodies,
+                        timeout_s=request_timeout_s,
+                        deadline=deadline,
+                        results=per_client[c],
+                    )
+                    nursery.start_soon(loop)
+        wall = time.perf_counter() - started
+    requests = [r for results in per_client for r in results]
+    for c, results in enumerate(per_client):
+        for index in range(len(results), requests_per_client):
+            detail = f"not sent: the run stopped after {run_timeout_s:g} s"
+            requests.append(RequestResult(c, index, None, (), 0, wall, "run_timeout", detail))
+    return summarize(
+        url=url,
+        model=model,
+        clients=clients,
+        requests_per_client=requests_per_client,
+        max_tokens=max_tokens,
+        wall_s=wall,
+        requests=requests,
+    )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def format_result(result: LoadResult) -> str:
+    """A few human-readable lines about one run."""
+    lines = [
+        f"{result.clients} clients x {result.requests_per_client} requests, "
+        f"max_tokens {result.max_tokens}, model {result.model}",
+        f"  {result.completion_tokens} tokens in {result.wall_s:.1f} s: "
+        f"{result.tokens_per_s:.1f} tok/s",
+        f"  TTFT p50/p99 {_ms(result.ttft_p50_s)}/{_ms(result.ttft_p99_s)} ms, "
+        f"ITL p50/p99 {_ms(result.itl_p50_s)}/{_ms(result.itl_p99_s)} ms",
+        f"  errors: {result.num_errors} of {result.num_requests} {result.errors or ''}".rstrip(),
+    ]
+    details = sorted({f"{r.error}: {r.detail}" for r in result.requests if not r.is_ok})
+    lines.extend(f"    {d}" for d in details[:5])
+    return "\n".join(lines)

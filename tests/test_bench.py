@@ -1,0 +1,116 @@
+"""The benchmark harness: its command, its scenarios, its plan and its report from saved data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_trio.api.bench import report
+from mlx_trio.api.bench.load import summarize
+from mlx_trio.api.bench.results import Measurement, SystemRecord, to_json
+from mlx_trio.api.bench.runner import plan
+from mlx_trio.api.bench.scenarios import SCENARIOS, parse_scenarios, prompt
+from mlx_trio.api.bench.stream import RequestResult
+from mlx_trio.api.bench.systems import SYSTEMS
+from mlx_trio.api.cli import main
+
+SAVED = Path(__file__).parent / "data" / "bench_suite.json"  # bench/results/suite.json, trimmed
+
+
+def mlx_trio(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_trio.api.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_bench_help_from_the_installed_package() -> None:
+    done = mlx_trio("bench", "--help")
+    assert done.returncode == 0, done.stderr
+    for flag in ("--systems", "--scenarios", "--concurrency", "--max-tokens", "--report-only"):
+        assert flag in done.stdout
+
+
+def test_an_unknown_system_is_refused_with_the_known_ones() -> None:
+    done = mlx_trio("bench", "--systems", "vllm")
+    assert done.returncode == 2
+    assert "unknown ['vllm']; choose from stream_generate," in done.stderr
+
+
+def test_the_default_scenario_is_the_readme_one() -> None:
+    chat = SCENARIOS["chat"]
+    assert chat.max_tokens == 48
+    assert chat.prompt(3) == prompt(3) == "Write a short paragraph about bicycles (#3)."
+    assert [s.name for s in parse_scenarios("long-prompt, chat,chat")] == ["long-prompt", "chat"]
+    assert len(SCENARIOS["long-prompt"].prompt(0)) > 10 * len(prompt(0))
+    with pytest.raises(ValueError, match=r"^unknown scenario \['x'\]; choose from chat,"):
+        parse_scenarios("chat,x")
+
+
+def test_the_plan_rotates_systems_and_runs_single_stream_ones_at_one_only() -> None:
+    keys = list(SYSTEMS)
+    runs = plan([SCENARIOS["chat"]], keys, [1, 4])
+    assert [k for _, c, k in runs if c == 1] == keys
+    at_4 = [k for _, c, k in runs if c == 4]
+    assert at_4 == keys[1:]  # rotated by one: stream_generate, now last, is left out
+
+
+def test_report_only_prints_the_saved_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    saved = tmp_path / "suite.json"
+    shutil.copy(SAVED, saved)
+    assert main(["bench", "--report-only", str(saved), "--png", str(tmp_path / "s.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| 32 | mlx-trio in-process | 64.1 | 7894 | 10291 |" in out
+    assert "| 1 | mlx-lm stream_generate | 8.8 | 475 | 475 |" in out
+    assert "- met: >= 0.95x raw BatchGenerator tok/s at 32 streams, in-process: 0.97x" in out
+    assert (tmp_path / "s.png").stat().st_size > 0 or "matplotlib" not in sys.modules
+
+
+def test_measurements_become_json_the_report_reads() -> None:
+    def stream(client: int, ttft: float) -> RequestResult:
+        return RequestResult(client, 0, ttft, (0.1, 0.1), 4, 1.0)
+
+    load = summarize(
+        url="in-process:mlx-trio",
+        model="default",
+        clients=2,
+        requests_per_client=1,
+        max_tokens=4,
+        wall_s=1.0,
+        requests=[stream(0, 0.2), stream(1, 0.4)],
+    )
+    data = to_json(
+        systems=[SystemRecord("mlx-trio-inprocess", "mlx-trio in-process", "in-process", 1, None)],
+        measurements=[Measurement("mlx-trio-inprocess", "long-prompt", load, 0.01, 2**30)],
+        probe=None,
+        idle_other_share=None,
+        settings={"max_tokens": 4, "max_batch": 32, "prefill_batch": 8, "prefill_chunk": 256},
+    )
+    data = json.loads(json.dumps(data))  # what a saved file gives back
+    text = report.render(data)
+    assert "Scenario long-prompt:" in text
+    assert "| 2 | mlx-trio in-process | 8.0 | 300 | 398 | 100 | 100 | 0 | 1024 | 1% |" in text
+
+
+@pytest.mark.slow
+def test_the_harness_runs_one_cheap_system(tmp_path: Path) -> None:
+    out = tmp_path / "suite.json"
+    done = mlx_trio(
+        *("bench", "--systems", "mlx-trio-inprocess", "--concurrency", "1", "--max-tokens", "4"),
+        *("--no-cancel-probe", "--out", str(out)),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(1/1) mlx-trio in-process [chat], 1 streams:" in done.stderr
+    (system,) = json.loads(out.read_text())["systems"]
+    (level,) = system["levels"]
+    assert (level["scenario"], level["clients"], level["num_errors"]) == ("chat", 1, 0)
+    assert 1 <= level["completion_tokens"] <= 4
+    assert "| 1 | mlx-trio in-process |" in done.stdout
