@@ -83,12 +83,17 @@ async def test_idle_work_runs_between_jobs_and_gives_way_to_the_next_job():
 
 
 async def test_idle_work_that_raises_is_logged_and_the_thread_serves_jobs(caplog):
+    tried = threading.Event()
+
     def idle() -> bool:
+        tried.set()
         raise ValueError("idle broke")
 
     with EngineThread() as engine_thread:
         engine_thread.add_idle_work(idle)
         assert await engine_thread.run(lambda: "first") == "first"
+        # The thread runs idle work once no job waits: after the first job, before the next.
+        assert await trio.to_thread.run_sync(tried.wait, 10)
         assert await engine_thread.run(lambda: "second") == "second"
     assert "idle work failed" in caplog.text
 
