@@ -100,6 +100,7 @@ class RuntimeStatistics:
     refused: int
     engine_faults: int
     stuck_steps: int
+    batch_steps: int  # engine calls the batch group started (each runs one or more steps)
     kv_bytes: int
     prompt_cache: PromptCacheStatistics | None
     is_healthy: bool
@@ -354,6 +355,7 @@ class Runtime:
             refused=gate_stats.refused,
             engine_faults=batch.faults + serial.faults,
             stuck_steps=batch.stuck_steps + serial.stuck_steps,
+            batch_steps=batch.steps,
             kv_bytes=self.engine.kv_bytes,
             prompt_cache=self.engine.prompt_cache_statistics(),
             is_healthy=self.is_healthy,

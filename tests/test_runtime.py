@@ -476,6 +476,7 @@ async def test_a_large_fast_batch_takes_several_steps_a_call_with_the_same_token
         for i, (tokens, outcome) in results.items():
             assert tuple(tokens) == tokens_for(f"prompt {i}", 40)
             assert isinstance(outcome, Completed) and outcome.usage.completion_tokens == 40
+        assert rt.statistics().batch_steps == engine.num_batch_calls  # engine calls, counted
         if sessions == 4:
             assert engine.num_batch_calls == engine.num_batch_steps
         else:

@@ -239,7 +239,7 @@ async def _probe_once(rt: RuntimeHandle, port: WatchedEngine, first: int, stream
 
     def on_remove(rows: list[int]) -> None:
         if not removed:
-            removed.update(steps=rt.runtime.batch_group.statistics().steps, at=time.perf_counter())
+            removed.update(steps=rt.statistics().batch_steps, at=time.perf_counter())
 
     with trio.fail_after(PROBE_WAIT_S):
         async with trio.open_nursery() as nursery:
@@ -254,7 +254,7 @@ async def _probe_once(rt: RuntimeHandle, port: WatchedEngine, first: int, stream
             await trio.sleep(random.uniform(0, 0.2))  # land anywhere in a step
             port.on_remove = on_remove
             active_before = rt.statistics().active_rows
-            steps_at_cancel = rt.runtime.batch_group.statistics().steps
+            steps_at_cancel = rt.statistics().batch_steps
             cancelled_at = time.perf_counter()
             outcome = await handles[0].cancel()
             while not port.removals:
