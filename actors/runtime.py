@@ -15,18 +15,17 @@ import math
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import trio
 
 from ..engine.errors import RuntimeClosedError
-from ..engine.outputs import PromptCacheStatistics
 from ..engine.params import PreparedRequest
 from . import gate
 from .arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
 from .batch_group import BatchGroup
 from .channels import take_buffered
+from .config import RuntimeConfig, RuntimeStatistics
 from .messages import (
     CANCEL_REASONS,
     Cancelled,
@@ -46,65 +45,6 @@ from .session import Session, SessionLinks
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeConfig:
-    """How the runtime schedules.
-
-    ``max_batch``: rows in the batch (1 turns batching off: every request takes the serial
-    lane). ``max_live``: sessions holding an admission permit; ``max_queued``: sessions waiting
-    for one (beyond both: refused with ``OverloadedError``). ``event_buffer``: events a session
-    buffers for a slow consumer; ``idle_timeout_s``: how long an event may wait for the consumer
-    before the session is cancelled ``consumer_idle``. ``step_timeout_s``: the step watchdog.
-    ``unhealthy_after_faults``: consecutive step faults that make ``is_healthy`` false.
-    ``admission_window_s``: how long an empty batch may wait, before its first step, for
-    requests on their way to it (being submitted), so that a burst is prefilled together; a
-    lone request does not wait. ``steps_per_call``: batch steps per engine call
-    (tokens per row per event); None picks it per call, 1 unless the event loop's measured CPU
-    time per call is a noticeable share of the call's steps (see ``BatchGroup``).
-    """
-
-    max_batch: int = 8
-    max_live: int | None = None
-    max_queued: int = 64
-    event_buffer: int = 64
-    idle_timeout_s: float = 30.0
-    step_timeout_s: float = 60.0
-    shutdown_grace_s: float = 10.0
-    retry_after_s: float = 1.0
-    unhealthy_after_faults: int = 3
-    admission_window_s: float = 0.005
-    steps_per_call: int | None = None
-
-    @property
-    def live_limit(self) -> int:
-        return self.max_live if self.max_live is not None else max(2 * self.max_batch, 4)
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeStatistics:
-    """A snapshot of the runtime (Trio-style ``statistics()``)."""
-
-    lane_mode: Literal["idle", "batch", "serial", "exclusive", "draining"]
-    live_sessions: int
-    queued_sessions: int
-    active_rows: int
-    parked_rows: int
-    pending_rows: int
-    rows_submitted: dict[str, int]
-    drains: int
-    completed: int
-    cancelled: dict[CancelReason, int]
-    failed: dict[FailureCode, int]
-    refused: int
-    engine_faults: int
-    stuck_steps: int
-    batch_steps: int  # engine calls the batch group started (each runs one or more steps)
-    kv_bytes: int
-    prompt_cache: PromptCacheStatistics | None
-    is_healthy: bool
-    is_closed: bool
 
 
 class Runtime:

@@ -14,6 +14,7 @@ from ..engine import _blas  # noqa: F401  (OpenBLAS before any MLX the caller im
 
 # isort: split
 
+from ..actors.config import RuntimeConfig, RuntimeStatistics
 from ..actors.messages import (
     Cancelled,
     CancelReason,
@@ -27,7 +28,6 @@ from ..actors.messages import (
     Timings,
     Usage,
 )
-from ..actors.runtime import RuntimeConfig, RuntimeStatistics
 from ..engine.errors import (
     ContextLengthExceededError,
     EngineError,

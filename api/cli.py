@@ -234,7 +234,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import trio
 
-    from ..actors.runtime import RuntimeConfig
+    from ..actors.config import RuntimeConfig
     from .http_state import HttpSettings
     from .server import ServeOptions, serve
 

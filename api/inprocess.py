@@ -28,6 +28,7 @@ from typing import Literal
 
 import trio
 
+from ..actors.config import RuntimeConfig, RuntimeStatistics
 from ..actors.messages import (
     CancelReason,
     Completed,
@@ -37,7 +38,7 @@ from ..actors.messages import (
     TextDelta,
 )
 from ..actors.port import EnginePort
-from ..actors.runtime import Runtime, RuntimeConfig, RuntimeStatistics, open_runtime_actors
+from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
 from ..engine.sampling_defaults import SamplingDefaults
 

@@ -208,6 +208,8 @@ class CompletionRequest(_Sampling):
         seed_offset: int = 0,
         defaults: SamplingDefaults = NO_DEFAULTS,
     ) -> SamplingParams:
+        """As the chat's; ``default_max_tokens`` is the chat's fallback and goes unused here:
+        a completion that sets no ``max_tokens`` anywhere gets OpenAI's 16."""
         limits = (self.max_tokens, defaults.max_tokens)
         return self.sampling_params(
             max_tokens=next((v for v in limits if v is not None), COMPLETIONS_MAX_TOKENS),

@@ -17,8 +17,8 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from ..actors.config import RuntimeConfig
 from ..actors.port import EnginePort
-from ..actors.runtime import RuntimeConfig
 from ..engine.sampling_defaults import describe
 from .http import build_app
 from .http_state import AppState, HttpSettings

@@ -54,10 +54,10 @@ from typing import Any
 
 import trio
 
+from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.engine_port.process import open_process_engine
 from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Completed, GenerationRequest
-from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.api.server import ServeOptions, serve
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK

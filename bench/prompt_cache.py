@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import trio
 
+from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Completed, GenerationRequest, TextDelta
-from mlx_trio.actors.runtime import RuntimeConfig
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import SamplingParams

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_trio.actors.runtime import RuntimeConfig
+from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.scripted import Script, ScriptedEngine
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions

@@ -10,7 +10,7 @@ import openai
 import pytest
 import trio
 
-from mlx_trio.actors.runtime import RuntimeConfig
+from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.api.server import ServeOptions
 from tests.server_thread import ServerThread
 

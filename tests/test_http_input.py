@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from mlx_trio.actors.runtime import RuntimeConfig
+from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.scripted import Script, ScriptedEngine
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.engine.params import PreparedRequest, SamplingParams

@@ -31,6 +31,7 @@ from typing import TextIO
 
 import trio
 
+from ...actors.config import RuntimeConfig
 from ...actors.engine_port.thread import EngineThread, ThreadedEngine
 from ...actors.messages import (
     Cancelled,
@@ -39,7 +40,6 @@ from ...actors.messages import (
     GenerationRequest,
     TextDelta,
 )
-from ...actors.runtime import RuntimeConfig
 from ...engine.errors import MlxTrioError
 from ...engine.generate import Engine
 from ...engine.params import SamplingParams

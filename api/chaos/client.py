@@ -10,6 +10,7 @@ from typing import Protocol
 
 import trio
 
+from ...actors.config import RuntimeConfig, RuntimeStatistics
 from ...actors.messages import (
     Cancelled,
     Completed,
@@ -19,7 +20,6 @@ from ...actors.messages import (
     describe,
 )
 from ...actors.port import EnginePort
-from ...actors.runtime import RuntimeConfig, RuntimeStatistics
 from ...engine.errors import OverloadedError, RuntimeClosedError
 from ..inprocess import RuntimeHandle, open_runtime
 from .plan import RequestPlan

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import trio
 
+from ...actors.config import RuntimeConfig, RuntimeStatistics
 from ...actors.port import EnginePort
-from ...actors.runtime import RuntimeConfig, RuntimeStatistics
 from ...engine.outputs import PromptCacheStatistics
 from ..http_state import AppState
 from ..server import ServeOptions, serve

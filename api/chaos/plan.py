@@ -9,8 +9,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from ...actors.config import RuntimeConfig
 from ...actors.faulty import StepFaultKind
-from ...actors.runtime import RuntimeConfig
 
 ClientFaultKind = Literal[
     "consumer_stall", "slow_reader", "consumer_close", "disconnect", "cancel", "deadline"

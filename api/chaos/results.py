@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ...actors.runtime import RuntimeStatistics
+from ...actors.config import RuntimeStatistics
 from .plan import FaultPlan, RequestPlan
 
 

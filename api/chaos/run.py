@@ -14,9 +14,9 @@ from dataclasses import replace
 import trio
 
 from ...actors.batch_group import MAX_STEPS_PER_CALL
+from ...actors.config import RuntimeConfig
 from ...actors.faulty import FaultyEngine, RowFault, StepFault
 from ...actors.port import EnginePort
-from ...actors.runtime import RuntimeConfig
 from .client import Client, open_in_process
 from .http_client import open_over_http
 from .invariants import Expected, check
