@@ -157,16 +157,14 @@ def with_injected_fault(sampler: Sampler | None, request: PreparedRequest) -> Sa
     return FailingSampler(sampler, request.fail_sampler_at)
 
 
-def repair_random_state() -> bool:
-    """Re-seed MLX's global random state if a failed compiled function left it unusable;
-    returns whether it had to. Nothing of ours draws from it, but mlx-lm or a model may."""
+def repair_random_state() -> None:
+    """Re-seed MLX's global random state if a failed compiled function left it unusable.
+    Nothing of ours draws from it, but mlx-lm or a model may."""
     try:
         mx.eval(mx.random.state)
     except Exception:  # "Attempting to eval an array without a primitive"
         mx.random.seed(secrets.randbits(32))
         logger.warning("MLX's global random state was broken by a failed sampler; re-seeded it")
-        return True
-    return False
 
 
 def with_history(processors: list[LogitsProcessor], history: list[int]) -> list[LogitsProcessor]:
@@ -179,7 +177,9 @@ def with_history(processors: list[LogitsProcessor], history: list[int]) -> list[
     return [partial(_after, before, processor) for processor in processors]
 
 
-def _after(before: mx.array, processor: LogitsProcessor, tokens: mx.array, logits: mx.array):
+def _after(
+    before: mx.array, processor: LogitsProcessor, tokens: mx.array, logits: mx.array
+) -> mx.array:
     return processor(mx.concatenate([before, tokens.astype(before.dtype)]), logits)
 
 
