@@ -33,6 +33,7 @@ from typing import assert_never
 
 import trio
 
+from ..engine.errors import EngineUnavailableError
 from ..engine.outputs import RowFailed, RowProgress
 from ..engine.params import PreparedRequest
 from .arbiter import (
@@ -57,6 +58,8 @@ LOOP_SHARE = 0.03
 MAX_STEPS_PER_CALL = 16
 # How often an empty batch looks again for the rows on their way to it.
 ARRIVAL_POLL_S = 0.0005
+# How often rows waiting to join look again whether a restarting engine is back.
+ENGINE_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,8 @@ class BatchStatistics:
     steps: int
     faults: int
     stuck_steps: int
-    consecutive_faults: int
+    consecutive_faults: int  # since the last step that did not fault, on the current engine
+    is_stuck: bool  # a step of the current engine passed the watchdog: the engine is wedged
     parks: int
     holds_lease: bool
     draining: bool
@@ -146,9 +150,15 @@ class BatchGroup:
         self._stuck = 0
         self._consecutive_faults = 0
         self._parks = 0
+        # The engine generation of the rows in the batch, of the last fault and of the last
+        # stuck step: a restarted engine starts with a clean record, and knows none of the rows.
+        self._rows_generation = 0
+        self._fault_generation = 0
+        self._stuck_generation: int | None = None
 
     def statistics(self) -> BatchStatistics:
         parked = sum(1 for m in self._members.values() if m.parked)
+        generation = self.engine.liveness().generation
         return BatchStatistics(
             active_rows=len(self._members) - parked,
             parked_rows=parked,
@@ -157,7 +167,10 @@ class BatchGroup:
             steps=self._steps,
             faults=self._faults,
             stuck_steps=self._stuck,
-            consecutive_faults=self._consecutive_faults,
+            consecutive_faults=(
+                self._consecutive_faults if self._fault_generation == generation else 0
+            ),
+            is_stuck=self._stuck_generation == generation,
             parks=self._parks,
             holds_lease=self._lease is not None,
             draining=self._draining,
@@ -170,8 +183,15 @@ class BatchGroup:
             while True:
                 await self._guarded(self._advance())
                 if not self._can_step():
-                    await self._guarded(self._handle(await self._recv.receive()))
+                    await self._guarded(self._wait_for_message())
                 await self._guarded(self._take_waiting_messages())
+
+    async def _wait_for_message(self) -> None:
+        """Handle the next message; while rows wait for a restarting engine, look again at it
+        every ``ENGINE_POLL_S`` meanwhile."""
+        waits_for_engine = bool(self._pending) and not self.engine.liveness().is_up
+        with trio.move_on_after(ENGINE_POLL_S if waits_for_engine else math.inf):
+            await self._handle(await self._recv.receive())
 
     async def _take_waiting_messages(self) -> None:
         while True:
@@ -191,7 +211,7 @@ class BatchGroup:
     async def _engine_failed(self, what: str, exc: Exception) -> None:
         """Count the fault, log it, fail every row with it and rebuild the batch."""
         self._faults += 1
-        self._consecutive_faults += 1
+        self._count_consecutive_fault()
         logger.error("%s failed; failing %d row(s)", what, len(self._members), exc_info=exc)
         message = f"engine error: {type(exc).__name__}: {exc}"
         await self._fail_all(lambda row: RowFailed(row, message))
@@ -230,13 +250,39 @@ class BatchGroup:
         return sum(1 for m in self._members.values() if not m.parked)
 
     def _can_admit(self) -> bool:
-        return bool(self._pending) and not self._draining and len(self._members) < self.max_batch
+        return (
+            bool(self._pending)
+            and not self._draining
+            and len(self._members) < self.max_batch
+            and self.engine.liveness().is_up
+        )
+
+    def _count_consecutive_fault(self) -> None:
+        generation = self.engine.liveness().generation
+        if self._fault_generation != generation:
+            self._fault_generation, self._consecutive_faults = generation, 0
+        self._consecutive_faults += 1
+
+    async def _leave_a_dead_engine(self) -> None:
+        """Rows of an engine that died, or that is gone for good, end here: the rows in the
+        batch fail ``engine_fault`` (a restarted engine knows none of them), and rows waiting
+        to join fail too once the supervisor has given up (while it restarts, they wait)."""
+        live = self.engine.liveness()
+        if self._members and (not live.is_up or live.generation != self._rows_generation):
+            await self._engine_failed(
+                "the engine", EngineUnavailableError(f"the engine died: {live.last_cause}")
+            )
+        if self._pending and live.condition == "down":
+            message = f"engine error: the engine is down for good: {live.last_cause}"
+            while self._pending:
+                offer(self._pending.popleft().events, LaneFailed(message))
 
     def _can_step(self) -> bool:
         return self._lease is not None and (self._num_active() > 0 or self._can_admit())
 
     async def _advance(self) -> None:
         """Admit, step once, give the lease back when empty, ask for it when there is work."""
+        await self._leave_a_dead_engine()
         if self._lease is not None:
             if not self._members and self._pending and self.admission_window_s > 0:
                 await self._wait_for_arrivals()
@@ -273,6 +319,8 @@ class BatchGroup:
                 adds.append(add)
         if not adds:
             return
+        if not self._members:
+            self._rows_generation = self.engine.liveness().generation
         try:
             rows = await self.engine.batch_add([add.request for add in adds])
         except Exception as exc:  # the call itself failed: these rows fail, the batch resets
@@ -324,7 +372,8 @@ class BatchGroup:
             return
         if watchdog.cancelled_caught:
             self._stuck += 1
-            self._consecutive_faults += 1
+            self._stuck_generation = self.engine.liveness().generation
+            self._count_consecutive_fault()
             logger.error("batch step exceeded the %.1f s watchdog", self.step_timeout_s)
             message = f"an engine step took longer than the {self.step_timeout_s:g} s watchdog"
             await self._fail_all(lambda _row: Abandoned(message))

@@ -9,6 +9,7 @@ from typing import Literal
 
 from ..engine.outputs import PromptCacheStatistics
 from .messages import CancelReason, FailureCode
+from .port import ALWAYS_UP, EngineLiveness
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,8 @@ class RuntimeConfig:
     lone request does not wait. ``steps_per_call``: batch steps per engine call
     (tokens per row per event); None picks it per call, 1 unless the event loop's measured CPU
     time per call is a noticeable share of the call's steps (see ``BatchGroup``).
+    ``max_engine_restarts``: how many times the engine's supervisor restarts a dead or wedged
+    engine within ten minutes before it gives up (0: never).
     """
 
     max_batch: int = 8
@@ -39,6 +42,7 @@ class RuntimeConfig:
     unhealthy_after_faults: int = 3
     admission_window_s: float = 0.005
     steps_per_call: int | None = None
+    max_engine_restarts: int = 5
 
     @property
     def live_limit(self) -> int:
@@ -68,3 +72,4 @@ class RuntimeStatistics:
     prompt_cache: PromptCacheStatistics | None
     is_healthy: bool
     is_closed: bool
+    engine: EngineLiveness = ALWAYS_UP  # up, restarting or down; restarts and the last cause

@@ -20,7 +20,7 @@ from ..engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutp
 from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt
 from ..engine.sampling_defaults import SamplingDefaults
-from .port import EnginePort
+from .port import EngineLiveness, EnginePort
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,9 @@ class FaultyEngine:
 
     def token_text(self, token_id: int) -> str:
         return self.inner.token_text(token_id)
+
+    def liveness(self) -> EngineLiveness:
+        return self.inner.liveness()
 
     def prompt_cache_statistics(self) -> PromptCacheStatistics | None:
         return self.inner.prompt_cache_statistics()

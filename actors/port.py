@@ -11,12 +11,40 @@ interleave while rows or a serial run are live in the other. ``prepare`` may run
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from ..engine.outputs import PromptCacheStatistics, RowEvent
 from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt
 from ..engine.sampling_defaults import SamplingDefaults
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLiveness:
+    """Whether the engine is there to call, as its supervisor sees it.
+
+    ``condition``: ``up``; ``restarting`` (it died or wedged: calls raise
+    ``EngineUnavailableError`` until a new one is up); ``down`` (it crashed too often and the
+    supervisor gave up, or it is not supervised and died). ``generation`` counts the engines
+    started (0: the first); a lane whose rows were added in an older generation must not call
+    the new engine with their row ids. ``restarts``: how many times it was restarted;
+    ``last_cause``: why the last one ended; ``pid``: the engine process's id (None: the engine
+    runs on a thread of this process, or none runs now).
+    """
+
+    condition: Literal["up", "restarting", "down"] = "up"
+    generation: int = 0
+    restarts: int = 0
+    last_cause: str | None = None
+    pid: int | None = None
+
+    @property
+    def is_up(self) -> bool:
+        return self.condition == "up"
+
+
+ALWAYS_UP = EngineLiveness()
 
 
 class EnginePort(Protocol):
@@ -43,6 +71,11 @@ class EnginePort(Protocol):
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, for logprobs."""
+        ...
+
+    def liveness(self) -> EngineLiveness:
+        """Whether the engine is up (a supervised engine may be restarting); an unsupervised
+        one answers ``ALWAYS_UP``."""
         ...
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:

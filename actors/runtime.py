@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import trio
 
-from ..engine.errors import RuntimeClosedError
+from ..engine.errors import EngineUnavailableError, RuntimeClosedError
 from ..engine.params import PreparedRequest
 from . import gate
 from .arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
@@ -104,8 +104,9 @@ class Runtime:
     ) -> tuple[Session, trio.MemoryReceiveChannel[Event]]:
         """Check, admit and start a request; return its session and its event channel.
 
-        Raises ``InvalidRequestError`` (nothing admitted), ``OverloadedError`` or
-        ``RuntimeClosedError`` (nothing queued). If cancelled, nothing is left admitted.
+        Raises ``InvalidRequestError`` (nothing admitted), ``OverloadedError``,
+        ``EngineUnavailableError`` or ``RuntimeClosedError`` (nothing queued). If cancelled,
+        nothing is left admitted.
         """
         [started] = await self.submit_all([request])
         return started
@@ -121,6 +122,12 @@ class Runtime:
         """
         if self._closed:
             raise RuntimeClosedError("the runtime is shutting down and admits no new requests")
+        live = self.engine.liveness()
+        if not live.is_up:
+            raise EngineUnavailableError(
+                f"the engine is {live.condition} ({live.last_cause})",
+                retry_after_s=self.config.retry_after_s if live.condition == "restarting" else None,
+            )
         self._submitting += len(requests)
         try:
             prepared = [await self._prepare(r) for r in requests]
@@ -266,9 +273,13 @@ class Runtime:
 
     @property
     def is_healthy(self) -> bool:
+        """The engine is up, its steps do not keep failing, and none of its steps passed the
+        watchdog (a stuck step of an engine since restarted does not count)."""
         batch = self.batch_group.statistics()
-        return batch.consecutive_faults < self.config.unhealthy_after_faults and not (
-            batch.stuck_steps or self.serial.statistics().stuck_steps
+        return (
+            self.engine.liveness().is_up
+            and batch.consecutive_faults < self.config.unhealthy_after_faults
+            and not (batch.is_stuck or self.serial.statistics().is_stuck)
         )
 
     def statistics(self) -> RuntimeStatistics:
@@ -300,6 +311,7 @@ class Runtime:
             prompt_cache=self.engine.prompt_cache_statistics(),
             is_healthy=self.is_healthy,
             is_closed=self._closed,
+            engine=self.engine.liveness(),
         )
 
     async def shutdown(self, grace_s: float | None = None) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..engine.errors import InvalidRequestError
+from ..engine.errors import EngineUnavailableError, InvalidRequestError
 from ..engine.outputs import (
     Delta,
     FinishReason,
@@ -32,6 +32,7 @@ from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt, check_fits, check_messages
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from ..engine.stops import StopStringMatcher
+from .port import ALWAYS_UP, EngineLiveness
 
 VOCAB_SIZE = 1000
 EOS_TOKEN = 0
@@ -120,6 +121,7 @@ class ScriptedEngine:
         self.max_active_rows = 0
         self.call_log: list[str] = []
         self.on_call: Callable[[str], None] | None = None
+        self._liveness = ALWAYS_UP
 
     @property
     def model_id(self) -> str:
@@ -159,6 +161,25 @@ class ScriptedEngine:
     def prompt_cache_statistics(self) -> None:
         return None
 
+    def liveness(self) -> EngineLiveness:
+        return self._liveness
+
+    def go_down(self, cause: str) -> None:
+        """Act as a supervised engine that died: every row and the serial run are gone and
+        every call raises ``EngineUnavailableError`` until :meth:`come_back`."""
+        self._rows.clear()
+        self._serial = None
+        self._in_call = False
+        live = self._liveness
+        self._liveness = EngineLiveness("restarting", live.generation, live.restarts, cause)
+
+    def come_back(self) -> None:
+        """... and its supervisor started a new one: the next generation, empty."""
+        live = self._liveness
+        self._liveness = EngineLiveness(
+            "up", live.generation + 1, live.restarts + 1, live.last_cause
+        )
+
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return None if self.script.batchable else "the scripted model cannot batch"
 
@@ -170,6 +191,8 @@ class ScriptedEngine:
     # -- the call guard -------------------------------------------------------------------
 
     async def _enter(self, name: str, lane: str) -> None:
+        if not self._liveness.is_up:
+            raise EngineUnavailableError(f"{name}: the engine is {self._liveness.condition}")
         if self._in_call:
             raise ExclusionViolation(f"{name} overlapped another engine call")
         if lane == "serial" and self._rows:

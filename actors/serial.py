@@ -23,6 +23,8 @@ from .port import EnginePort
 
 logger = logging.getLogger(__name__)
 
+ENGINE_POLL_S = 0.05  # how often a run waiting for a restarting engine looks again
+
 
 @dataclass(frozen=True, slots=True)
 class SerialJob:
@@ -37,6 +39,7 @@ class SerialStatistics:
     running: bool
     faults: int
     stuck_steps: int
+    is_stuck: bool  # a step of the current engine passed the watchdog: the engine is wedged
 
 
 class SerialExecutor:
@@ -56,9 +59,11 @@ class SerialExecutor:
         self._running = False
         self._faults = 0
         self._stuck = 0
+        self._stuck_generation: int | None = None  # the engine generation of the last one
 
     def statistics(self) -> SerialStatistics:
-        return SerialStatistics(self._runs, self._running, self._faults, self._stuck)
+        is_stuck = self._stuck_generation == self.engine.liveness().generation
+        return SerialStatistics(self._runs, self._running, self._faults, self._stuck, is_stuck)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -80,6 +85,7 @@ class SerialExecutor:
         try:
             if events.receiver_left:
                 return
+            await self._wait_for_a_restarting_engine(events)
             await self.engine.serial_start(job.request)
             started = True
             while not finished and not events.receiver_left:
@@ -87,6 +93,7 @@ class SerialExecutor:
                     step = await self.engine.serial_step()
                 if watchdog.cancelled_caught:
                     self._stuck += 1
+                    self._stuck_generation = self.engine.liveness().generation
                     logger.error("serial step exceeded the %.1f s watchdog", self.step_timeout_s)
                     await _send_quietly(events, _stuck_event(self.step_timeout_s))
                     return
@@ -109,6 +116,12 @@ class SerialExecutor:
                     except Exception:  # the engine is gone (its process died, say)
                         logger.exception("ending the serial run failed too")
             events.close()
+
+    async def _wait_for_a_restarting_engine(self, events: SessionInbox) -> None:
+        """A run does not start on an engine that its supervisor is restarting: it waits (the
+        session's deadline and its reader still apply), holding the lease no one could use."""
+        while self.engine.liveness().condition == "restarting" and not events.receiver_left:
+            await trio.sleep(ENGINE_POLL_S)
 
 
 def _stuck_event(timeout_s: float) -> Abandoned:

@@ -31,6 +31,7 @@ from ..actors.messages import (
 from ..engine.errors import (
     ContextLengthExceededError,
     EngineError,
+    EngineUnavailableError,
     InvalidRequestError,
     MlxTrioError,
     ModelError,
@@ -61,6 +62,7 @@ __all__ = [
     "Completed",
     "ContextLengthExceededError",
     "EngineError",
+    "EngineUnavailableError",
     "Event",
     "Failed",
     "FinishReason",

@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--shutdown-grace", type=float, default=10.0)
     serve.add_argument(
+        "--engine-restarts",
+        type=int,
+        default=5,
+        help="restarts of a dead or wedged engine within 10 minutes before giving up (0: never)",
+    )
+    serve.add_argument(
         "--prompt-cache-bytes",
         type=int,
         default=None,
@@ -257,6 +263,7 @@ def _serve(args: argparse.Namespace) -> int:
             step_timeout_s=args.step_timeout,
             shutdown_grace_s=args.shutdown_grace,
             steps_per_call=args.steps_per_call,
+            max_engine_restarts=args.engine_restarts,
         ),
         http=HttpSettings(
             api_key=args.api_key,

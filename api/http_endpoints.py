@@ -17,8 +17,6 @@ from ..actors.messages import GenerationRequest
 from ..engine.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
-    OverloadedError,
-    RuntimeClosedError,
     RuntimeRefusal,
 )
 from ..engine.prompt import ChatMessage
@@ -123,8 +121,8 @@ class Api:
                 for i in range(body.n)
             ]
             handles = await rt.submit_all(generations)
-        except (InvalidRequestError, OverloadedError, RuntimeClosedError) as exc:
-            if isinstance(exc, RuntimeRefusal):  # labelled "overloaded" or "shutting_down"
+        except (InvalidRequestError, RuntimeRefusal) as exc:
+            if isinstance(exc, RuntimeRefusal):  # labelled by its code: overloaded, ...
                 self.state.metrics.refusals.labels(exc.code).inc()
             if kind == "text" and isinstance(exc, ContextLengthExceededError):
                 exc.param = "prompt"  # the engine names a chat's field, "messages"
@@ -167,6 +165,10 @@ class Api:
         stats = self.state.statistics()
         if stats is None:
             return JSONResponse({"status": "loading"}, status_code=503)
+        engine = stats.engine
+        if not engine.is_up:  # restarting, or down for good
+            body = {"status": f"engine_{engine.condition}", "cause": engine.last_cause}
+            return JSONResponse(body | {"restarts": engine.restarts}, status_code=503)
         if not stats.is_healthy:
             return JSONResponse(
                 {

@@ -2,7 +2,8 @@
 
 ``HttpError`` is the one exception a handler raises for a client-visible error: a status, an
 OpenAI error body (``type``, ``param``, ``code``) and any headers. ``refusal_error`` maps the
-runtime's refusals (invalid request 400, overloaded 503 with ``Retry-After``, closed 503);
+runtime's refusals (invalid request 400; overloaded, or the engine restarting, 503 with
+``Retry-After``; closed 503);
 ``outcome_error`` maps a request's failed or cancelled outcome through ``OUTCOME_STATUS`` (why
 each reason gets its status: design/005-http.md).
 """
@@ -12,7 +13,12 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from ..actors.messages import Cancelled, Completed, Failed, Outcome
-from ..engine.errors import InvalidRequestError, OverloadedError, RuntimeClosedError
+from ..engine.errors import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    OverloadedError,
+    RuntimeClosedError,
+)
 from . import openai_format as fmt
 
 OUTCOME_STATUS = {
@@ -58,6 +64,11 @@ def refusal_error(exc: Exception) -> HttpError:
                 code="overloaded",
                 headers={"Retry-After": str(retry)},
             )
+        case EngineUnavailableError():
+            headers = {}
+            if exc.retry_after_s is not None:
+                headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+            return HttpError(503, exc.message, type="server_error", code=exc.code, headers=headers)
         case RuntimeClosedError():
             return HttpError(503, exc.message, type="server_error", code="shutting_down")
     raise exc

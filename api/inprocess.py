@@ -22,8 +22,9 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal
 
 import trio
@@ -221,10 +222,11 @@ async def open_runtime(
     """Start a runtime on ``model`` (None: the embedded default) or on a given ``engine``.
 
     ``prompt_cache_bytes``: the prompt cache's budget (None: an eighth of memory, at most
-    8 GiB; 0: off). ``engine_process``: run the model in a child process of its own
-    (``ProcessEngine``) instead of on a thread beside the event loop (``ThreadedEngine``);
-    None picks the process on a GPU, where the two threads' shared GIL costs the most
-    (design/009). Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
+    8 GiB; 0: off). ``engine_process``: run the model in a child process of its own instead
+    of on a thread beside the event loop; None picks the process on a GPU, where the two
+    threads' shared GIL costs the most (design/009). Either runs under a supervisor that
+    restarts it if it dies or wedges (``max_engine_restarts`` in a crash loop, then gives up;
+    design/015). Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
     On exit, admission closes and in-flight requests get ``shutdown_grace_s`` to finish.
     """
     config = replace(config or RuntimeConfig(), **config_fields)  # type: ignore[arg-type]
@@ -233,35 +235,72 @@ async def open_runtime(
             yield RuntimeHandle(runtime)
         return
 
-    from ..actors.engine_port.process import ProcessEngine
-    from ..actors.engine_port.thread import EngineThread, ThreadedEngine
-    from ..engine.loader import runs_on_gpu
+    async with (
+        _open_supervised_port(model, device, prompt_cache_bytes, engine_process, config) as port,
+        open_runtime_actors(port, config) as runtime,
+    ):
+        yield RuntimeHandle(runtime)
+
+
+def _open_supervised_port(
+    model: str | None,
+    device: str,
+    prompt_cache_bytes: int | None,
+    engine_process: bool | None,
+    config: RuntimeConfig,
+) -> AbstractAsyncContextManager[EnginePort]:
+    """The engine on a thread or in a process, under a supervisor that restarts it when it
+    dies or wedges (``actors/engine_port/supervisor.py``)."""
+    from ..actors.engine_port.port import CorePort, Transport
+    from ..actors.engine_port.process import open_process_transport
+    from ..actors.engine_port.supervisor import RestartPolicy, open_supervised_engine
+    from ..actors.engine_port.thread import open_thread_transport
+    from ..engine.batch import DEFAULT_PREFILL_CHUNK
+    from ..engine.calls import EngineStarted
+    from ..engine.generate import Engine, RequestPreparer
+    from ..engine.loader import load_tokenizer_only, runs_on_gpu
 
     if engine_process is None:
         engine_process = runs_on_gpu(device)
-    if engine_process:
-        async with (
-            ProcessEngine.load(
+    policy = RestartPolicy(
+        max_restarts=config.max_engine_restarts, step_timeout_s=config.step_timeout_s
+    )
+    chunk = DEFAULT_PREFILL_CHUNK
+    preparer: RequestPreparer | None = None
+
+    @asynccontextmanager
+    async def start() -> AsyncIterator[tuple[Transport, EngineStarted]]:
+        nonlocal preparer
+        if engine_process:
+            if preparer is None:  # the tokenizer stays here, for every engine the child runs
+                loaded = await trio.to_thread.run_sync(load_tokenizer_only, model)
+                preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
+            build = partial(
+                Engine.load, model, device=device, prompt_cache_bytes=prompt_cache_bytes
+            )
+            async with open_process_transport(
+                build, max_batch=config.max_batch, prefill_chunk=chunk
+            ) as (transport, reply):
+                assert reply.value is not None
+                yield transport, reply.value
+        else:
+            async with open_thread_transport(
                 model,
                 device=device,
                 max_batch=config.max_batch,
                 prompt_cache_bytes=prompt_cache_bytes,
-            ) as port,
-            open_runtime_actors(port, config) as runtime,
-        ):
-            yield RuntimeHandle(runtime)
-        return
+                prefill_chunk=chunk,
+            ) as (transport, started):
+                if preparer is None:
+                    preparer = transport.core.engine.preparer
+                yield transport, started
 
-    with EngineThread() as thread:
-        port = await ThreadedEngine.load(
-            thread,
-            model,
-            device=device,
-            max_batch=config.max_batch,
-            prompt_cache_bytes=prompt_cache_bytes,
+    def make_port(transport: Transport, started: EngineStarted) -> CorePort:
+        return CorePort(
+            transport, started, preparer, max_batch=config.max_batch, prefill_chunk=chunk
         )
-        async with open_runtime_actors(port, config) as runtime:
-            yield RuntimeHandle(runtime)
+
+    return open_supervised_engine(start, make_port, policy)
 
 
 def freeze_startup_heap() -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..actors.config import RuntimeStatistics
@@ -23,10 +23,25 @@ class _RuntimeCollector(Collector):
     def __init__(self, stats: Callable[[], RuntimeStatistics | None]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._stats()
         if stats is None:
             return
+        engine = stats.engine
+        yield CounterMetricFamily(
+            "mlx_trio_engine_restarts", "engine restarts by its supervisor", value=engine.restarts
+        )
+        up = GaugeMetricFamily(
+            "mlx_trio_engine_up", "1 while the engine is up", labels=["condition"]
+        )
+        up.add_metric([engine.condition], int(engine.is_up))
+        yield up
+        if engine.last_cause is not None:  # Prometheus's idiom for text: an info metric
+            cause = GaugeMetricFamily(
+                "mlx_trio_engine_last_death_info", "why the engine last died", labels=["cause"]
+            )
+            cause.add_metric([engine.last_cause[:200]], 1)
+            yield cause
         for name, doc, value in (
             (
                 "mlx_trio_sessions_running",

@@ -10,6 +10,7 @@
     ├── EngineError                  a generation step failed inside MLX or mlx-lm
     └── RuntimeRefusal               the runtime did not admit a request
         ├── OverloadedError              admission is full; carries ``retry_after_s``
+        ├── EngineUnavailableError       the engine died and is restarting, or gave up
         └── RuntimeClosedError           the runtime is shutting down or closed
 
 Every error carries a message fit to show a user as is: it never echoes a file path that the
@@ -83,6 +84,18 @@ class OverloadedError(RuntimeRefusal):
         self.retry_after_s = retry_after_s
         self.live = live  # the gate's counts when it refused
         self.queued = queued
+
+
+class EngineUnavailableError(RuntimeRefusal):
+    """The engine is down: it died or wedged and is being restarted (try again after
+    ``retry_after_s``), or it crashed too often and the supervisor gave up (``retry_after_s``
+    None). Engine calls made meanwhile raise it too, and their rows fail ``engine_fault``."""
+
+    code = "engine_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RuntimeClosedError(RuntimeRefusal):

@@ -19,7 +19,8 @@ PUBLIC = {
     "TextDelta", "Progress", "Completed", "Cancelled", "Failed", "Event", "Outcome",
     "CancelReason", "FinishReason", "Usage", "Timings", "TokenLogprob",
     "MlxTrioError", "InvalidRequestError", "ContextLengthExceededError", "RuntimeRefusal",
-    "OverloadedError", "RuntimeClosedError", "EngineError", "ModelError",
+    "OverloadedError", "RuntimeClosedError", "EngineError", "EngineUnavailableError",
+    "ModelError",
     "ModelNotFoundError", "UnsupportedModelError", "ModelImportError",
 }  # fmt: skip
 

@@ -13,8 +13,11 @@ as httpx's transports stand behind one client.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import trio
@@ -35,12 +38,14 @@ from ...engine.calls import (
     SerialStep,
     SerialStop,
 )
+from ...engine.errors import EngineUnavailableError
 from ...engine.generate import RequestPreparer
 from ...engine.outputs import PromptCacheStatistics, RowEvent
 from ...engine.params import PreparedRequest, SamplingParams
 from ...engine.prompt import Prompt
 from ...engine.sampling_defaults import SamplingDefaults
 from ...engine.warmup import WarmupReport
+from ..port import ALWAYS_UP, EngineLiveness
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -54,6 +59,26 @@ class Transport(Protocol):
         """The core's state as of the last reply, one whose caller was cancelled included."""
         ...
 
+    @property
+    def clock(self) -> CallClock:
+        """When the call the core is on began (its supervisor's watch for a wedged engine)."""
+        ...
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id; None on a thread."""
+        ...
+
+    def death(self) -> str | None:
+        """Why the core can no longer answer (its process or thread ended), or None while it
+        can. Cheap: a supervisor polls it."""
+        ...
+
+    def kill(self) -> None:
+        """End a wedged core now, without waiting for it: the process is killed, the thread
+        abandoned. Calls waiting on it, and every later one, raise."""
+        ...
+
     async def call(self, call: Call[R]) -> Reply[R]:
         """Run ``call`` on the core; its reply (an error the core raised is in it). Raises if
         the core cannot be reached. If cancelled, the call still runs to completion there
@@ -65,8 +90,53 @@ class Transport(Protocol):
         ...
 
 
+class CallClock:
+    """The calls sent to a core and not yet answered, and when the oldest began: a call
+    that runs far past its allowance (``BatchStep(steps)``: ``steps`` step timeouts; any other
+    call: one) means the engine is wedged. It counts calls whose caller was cancelled too,
+    since the core still runs them. Thread-safe: the engine thread answers calls."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        """``now``: the clock (a test's fake transport passes Trio's)."""
+        self._now = now
+        self._lock = threading.Lock()
+        self._allowances: deque[int] = deque()  # in step timeouts, oldest first
+        self._oldest_since = 0.0  # when the oldest call began
+
+    def sent(self, call: Call[Any]) -> None:
+        steps = call.steps if isinstance(call, BatchStep) else 1
+        with self._lock:
+            if not self._allowances:
+                self._oldest_since = self._now()
+            self._allowances.append(max(1, steps))
+
+    def answered(self) -> None:
+        with self._lock:
+            if self._allowances:
+                self._allowances.popleft()
+            self._oldest_since = self._now()  # the next call begins now
+
+    def clear(self) -> None:
+        """No call will be answered (the core is gone)."""
+        with self._lock:
+            self._allowances.clear()
+
+    def overdue_s(self, step_timeout_s: float) -> float:
+        """How far the oldest unanswered call is past its allowance (<= 0: it is not)."""
+        with self._lock:
+            if not self._allowances:
+                return -step_timeout_s
+            allowance = self._allowances[0] * step_timeout_s
+            return self._now() - self._oldest_since - allowance
+
+
 class CorePort:
-    """An ``EnginePort`` over an :class:`EngineCore` that ``transport`` reaches."""
+    """An ``EnginePort`` over an :class:`EngineCore` that ``transport`` reaches.
+
+    A supervisor (``supervisor.py``) may take the transport away when its core dies
+    (:meth:`detach`: calls then raise ``EngineUnavailableError``) and give the port a new one
+    (:meth:`attach`: the next generation).
+    """
 
     def __init__(
         self,
@@ -80,11 +150,33 @@ class CorePort:
         """``started``: what is known of the engine from the start; ``preparer``: the
         tokenizer side of ``prepare`` (None: ``prepare`` raises, for a caller that tokenizes
         itself)."""
-        self._transport = transport
+        self._transport: Transport | None = transport
+        self._liveness = ALWAYS_UP
         self._started = started
         self._preparer = preparer
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+
+    # -- supervision ----------------------------------------------------------------------
+
+    def liveness(self) -> EngineLiveness:
+        return self._liveness
+
+    def attach(
+        self, transport: Transport, started: EngineStarted, liveness: EngineLiveness
+    ) -> None:
+        """Call ``transport`` from now on (a new engine, up)."""
+        self._transport = transport
+        self._started = started
+        self._liveness = replace(liveness, pid=transport.pid)
+
+    def detach(self, liveness: EngineLiveness) -> None:
+        """Stop calling the transport (its engine died): calls raise until :meth:`attach`."""
+        self._transport = None
+        self._liveness = replace(liveness, pid=None)
+
+    def _state(self) -> EngineState:
+        return _NO_ENGINE if self._transport is None else self._transport.state
 
     # -- what the port answers without a call ---------------------------------------------
 
@@ -103,20 +195,20 @@ class CorePort:
 
     @property
     def kv_bytes(self) -> int:
-        return self._transport.state.kv_bytes
+        return self._state().kv_bytes
 
     @property
     def num_rows(self) -> int:
         """Rows in the batch plus the serial run, as of the last engine call."""
-        return self._transport.state.num_rows
+        return self._state().num_rows
 
     @property
     def batch_steps_run(self) -> int:
         """Batch steps run (a call may stop short of those asked; steps ahead count)."""
-        return self._transport.state.batch_steps_run
+        return self._state().batch_steps_run
 
     def prompt_cache_statistics(self) -> PromptCacheStatistics | None:
-        return self._transport.state.prompt_cache
+        return self._state().prompt_cache
 
     async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Tokenize and check in a worker thread; if cancelled, nothing is left."""
@@ -174,4 +266,14 @@ class CorePort:
         return await self._call(RunFunction(fn, args))
 
     async def _call(self, call: Call[R]) -> R:
-        return (await self._transport.call(call)).unwrap()
+        if (transport := self._transport) is None:
+            live = self._liveness
+            raise EngineUnavailableError(
+                f"the engine is {live.condition} ({live.last_cause})",
+                retry_after_s=RETRY_AFTER_S if live.condition == "restarting" else None,
+            )
+        return (await transport.call(call)).unwrap()
+
+
+_NO_ENGINE = EngineState()
+RETRY_AFTER_S = 5.0  # what a client is told to wait while the engine restarts

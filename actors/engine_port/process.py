@@ -33,9 +33,15 @@ from ...engine.batch import DEFAULT_PREFILL_CHUNK
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
 from ...engine.child import EngineProcessError, serve_engine
 from ...engine.generate import Engine, RequestPreparer
-from .port import CorePort
+from .port import CallClock, CorePort
 
-__all__ = ["EngineProcessError", "ProcessEngine", "ProcessTransport", "open_process_engine"]
+__all__ = [
+    "EngineProcessError",
+    "ProcessEngine",
+    "ProcessTransport",
+    "open_process_engine",
+    "open_process_transport",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +76,24 @@ class ProcessTransport:
         self._failure: str | None = None  # why the child is gone, once it is
         self._closed = False
         self.state = EngineState()  # as of the child's last reply
+        self.clock = CallClock()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def death(self) -> str | None:
+        if self._failure is not None:
+            return self._failure
+        if not self._closed and not self.process.is_alive():
+            return f"the engine process exited (exit code {self.process.exitcode})"
+        return None
+
+    def kill(self) -> None:
+        """Kill the child (SIGKILL); the reader then fails every call waiting on it."""
+        if self.process.is_alive():
+            logger.error("killing the engine process %s", self.process.pid)
+            self.process.kill()
 
     async def call(self, call: Call[R]) -> Reply[R]:
         """Send ``call`` to the child and wait for its reply; raises
@@ -92,6 +116,8 @@ class ProcessTransport:
         async with self._send_lock:
             if pending is not None:
                 self._pending.append(pending)
+                assert call is not None
+                self.clock.sent(call)
             # A frame sent in part would garble every later one.
             with trio.CancelScope(shield=True):
                 try:
@@ -128,6 +154,7 @@ class ProcessTransport:
         try:
             while (reply := await self._receive()) is not None:
                 self.state = reply.state
+                self.clock.answered()
                 pending = self._pending.popleft()
                 pending.reply = reply
                 pending.done.set()
@@ -146,6 +173,7 @@ class ProcessTransport:
 
     def _fail(self, message: str) -> None:
         """From now on every call raises ``message``; the calls waiting raise it now."""
+        self.clock.clear()
         if self._failure is None:
             self._failure = message
             if not self._closed:
@@ -238,6 +266,24 @@ async def open_process_engine(
     (None: ``prepare`` raises; a caller that tokenizes itself). Raises the child's own error if
     ``build`` fails, :class:`EngineProcessError` if the child dies. On exit, cancelled or not,
     the child is asked to end, and killed if it does not."""
+    async with open_process_transport(
+        build, max_batch=max_batch, prefill_chunk=prefill_chunk, warm_up=warm_up
+    ) as (transport, started):
+        yield ProcessEngine(
+            transport, started, preparer, max_batch=max_batch, prefill_chunk=prefill_chunk
+        )
+
+
+@asynccontextmanager
+async def open_process_transport(
+    build: Callable[[], Engine],
+    *,
+    max_batch: int,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    warm_up: bool = True,
+) -> AsyncIterator[tuple[ProcessTransport, Reply[EngineStarted]]]:
+    """The child of :func:`open_process_engine` and the transport to it, with its first reply;
+    a supervisor starts one of these for each engine it runs."""
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe(duplex=True)  # a socket pair on POSIX
     process = context.Process(
@@ -253,14 +299,12 @@ async def open_process_engine(
     transport = ProcessTransport(trio.SocketStream(sock), process)
     try:
         started = await transport.started()
-        engine = ProcessEngine(
-            transport, started, preparer, max_batch=max_batch, prefill_chunk=prefill_chunk
-        )
-        logger.info("engine process %d serving %s", process.pid, engine.model_id)
+        assert started.value is not None
+        logger.info("engine process %d serving %s", process.pid, started.value.model_id)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(transport.read_replies)
             try:
-                yield engine
+                yield transport, started
             finally:
                 await transport.aclose()
                 nursery.cancel_scope.cancel()

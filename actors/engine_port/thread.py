@@ -25,7 +25,8 @@ import logging
 import queue
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -37,7 +38,7 @@ from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply,
 from ...engine.core import EngineCore, clear_thread_streams
 from ...engine.generate import Engine
 from ...engine.warmup import warm_up
-from .port import CorePort
+from .port import CallClock, CorePort
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,20 @@ class EngineThread:
     @property
     def ident(self) -> int | None:
         return self._thread.ident
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def abandon(self) -> None:
+        """Stop taking jobs and leave the thread to end on its own, without waiting for it: a
+        wedged MLX call cannot be interrupted (the thread is a daemon)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        logger.error("abandoned the engine thread %s", self._thread.name)
+        if self._previous_interval_s is not None:
+            sys.setswitchinterval(self._previous_interval_s)
 
     def close(self) -> None:
         """Finish queued jobs, then stop the thread and wait for it."""
@@ -178,17 +193,36 @@ class ThreadTransport:
         self.thread = thread
         self.core = core
         self.state = EngineState()
+        self.clock = CallClock()
+        self._killed = False
         thread.add_idle_work(core.step_ahead)
 
     async def call(self, call: Call[R]) -> Reply[R]:
         """Answer ``call`` on the engine thread; if cancelled, it still completes there and its
         reply is dropped (its state is kept)."""
+        self.clock.sent(call)
         return await self.thread.run(self._answer, cast(EngineCall, call))
 
     def _answer(self, call: EngineCall) -> Reply[Any]:
-        reply = answer(self.core, call)
+        try:
+            reply = answer(self.core, call)
+        finally:
+            self.clock.answered()
         self.state = reply.state  # from the engine thread: one reference, read whole
         return reply
+
+    pid = None  # the engine runs in this process
+
+    def death(self) -> str | None:
+        if self._killed:
+            return "the engine thread was abandoned"
+        return None if self.thread.is_alive() else "the engine thread ended"
+
+    def kill(self) -> None:
+        """A thread cannot be killed: abandon it (its wedged call may never return)."""
+        self._killed = True
+        self.clock.clear()
+        self.thread.abandon()
 
     async def aclose(self) -> None:
         """Nothing to stop: the thread is its owner's, and may serve other engines."""
@@ -240,3 +274,34 @@ class ThreadedEngine(CorePort):
         report = await thread.run(lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=chunk))
         port._started = EngineStarted(engine.model_id, engine.sampling_defaults, report)
         return port
+
+
+@asynccontextmanager
+async def open_thread_transport(
+    spec: str | None,
+    *,
+    device: str,
+    max_batch: int,
+    prompt_cache_bytes: int | None = None,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+) -> AsyncIterator[tuple[ThreadTransport, EngineStarted]]:
+    """An engine thread of its own with a model loaded on it and warmed up, as
+    ``ThreadedEngine.load`` does, and the transport to its core; a supervisor starts one of
+    these for each engine it runs. On exit the thread is stopped, or left behind if its
+    transport was killed (wedged)."""
+    thread = EngineThread()
+    thread.__enter__()
+    try:
+        engine = await thread.run(
+            lambda: Engine.load(spec, device=device, prompt_cache_bytes=prompt_cache_bytes)
+        )
+        core = EngineCore(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        transport = ThreadTransport(thread, core)
+        report = await thread.run(
+            lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        )
+        yield transport, EngineStarted(engine.model_id, engine.sampling_defaults, report)
+    finally:
+        # A killed transport abandoned its thread already; closing it then does nothing.
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(thread.close)

@@ -1,0 +1,167 @@
+"""The engine's supervisor: the runtime outlives its engine.
+
+An engine dies (its process is killed, runs out of memory, crashes in a kernel) or wedges (a
+call that never returns). The supervisor is an actor that owns the engine's life: it starts
+an engine (a transport and the core behind it: ``open_process_transport`` or
+``open_thread_transport``), hands its transport to the runtime's one :class:`CorePort`, and
+watches it, polling every ``poll_s``:
+
+- **death**: the transport says its core is gone (the process exited, the thread ended);
+- **wedge**: the oldest unanswered call ran ``wedge_grace_s`` past its allowance (one step
+  timeout a step: the lanes' watchdog fires first and abandons its rows; this is the engine's
+  turn). A wedged engine process is killed; a wedged thread is abandoned (it cannot be killed).
+
+Then it takes the transport away from the port (:meth:`CorePort.detach`: every call raises
+``EngineUnavailableError`` at once, so no lane, and no shutdown, ever waits on a dead engine;
+the lanes fail their rows ``engine_fault``; ``/health`` turns 503 with the port's liveness),
+waits a backoff (``first_backoff_s``, doubling up to ``max_backoff_s``), and starts a new
+engine, its warm-up included, then attaches it as the next *generation*: the lanes check the
+generation, so rows added to the dead engine are never called on the new one. More than
+``max_restarts`` restarts within ``window_s`` is a crash loop: the supervisor gives up, says so
+in the log, and leaves the port ``down`` (every call and every new request refused).
+
+The first start is not retried: if the model cannot load at all, the caller gets that error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from ...engine.calls import EngineStarted
+from ..port import EngineLiveness
+from .port import CorePort, Transport
+
+logger = logging.getLogger(__name__)
+
+EngineStarter = Callable[[], AbstractAsyncContextManager[tuple[Transport, EngineStarted]]]
+PortMaker = Callable[[Transport, EngineStarted], CorePort]
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How the supervisor watches and restarts. ``max_restarts`` 0: never restart (an engine
+    that dies stays down)."""
+
+    max_restarts: int = 5
+    window_s: float = 600.0
+    first_backoff_s: float = 0.5
+    max_backoff_s: float = 15.0
+    step_timeout_s: float = 60.0  # the lanes' watchdog: a call's allowance is steps x this
+    wedge_grace_s: float = 1.0
+    poll_s: float = 0.05
+
+
+class EngineSupervisor:
+    """Runs engines one after another for one port; see the module docstring."""
+
+    def __init__(self, start: EngineStarter, make_port: PortMaker, policy: RestartPolicy) -> None:
+        self._start = start
+        self._make_port = make_port
+        self.policy = policy
+        self.port: CorePort | None = None
+        self._recent: deque[float] = deque()  # when each restart in the window began
+
+    async def run(self, *, task_status: trio.TaskStatus[CorePort] = trio.TASK_STATUS_IGNORED):
+        """Start the first engine (its error is raised: nothing to supervise yet), report its
+        port, then keep an engine running until cancelled or the restarts run out."""
+        live = EngineLiveness()
+        while True:
+            cause: str | None = None
+            try:
+                async with self._start() as (transport, started):
+                    if self.port is None:
+                        self.port = self._make_port(transport, started)
+                        self.port.attach(transport, started, live)
+                        task_status.started(self.port)
+                    else:
+                        live = EngineLiveness(
+                            "up", live.generation + 1, live.restarts, live.last_cause
+                        )
+                        self.port.attach(transport, started, live)
+                        logger.warning(
+                            "the engine is up again (generation %d, restart %d)",
+                            live.generation,
+                            live.restarts,
+                        )
+                    cause, wedged = await self._watch(transport)
+                    live = EngineLiveness("restarting", live.generation, live.restarts, cause)
+                    self.port.detach(live)
+                    logger.error("the engine is down: %s", cause)
+                    if wedged:
+                        transport.kill()
+            except Exception as exc:
+                if self.port is None:
+                    raise
+                if cause is None:  # the start failed, not the engine we watched
+                    cause = f"the engine did not start: {type(exc).__name__}: {exc}"
+                    logger.error("%s", cause)
+                live = EngineLiveness("restarting", live.generation, live.restarts, cause)
+                self.port.detach(live)
+            if not self._may_restart():
+                live = EngineLiveness("down", live.generation, live.restarts, cause)
+                self.port.detach(live)
+                logger.critical(
+                    "the engine went down %d times within %.0f s; the supervisor gives up and "
+                    "the server stays unavailable (last cause: %s)",
+                    len(self._recent) + 1,
+                    self.policy.window_s,
+                    cause,
+                )
+                return
+            live = EngineLiveness("restarting", live.generation, live.restarts + 1, cause)
+            self.port.detach(live)
+            backoff = self._backoff_s()
+            logger.warning("restarting the engine in %.1f s (restart %d)", backoff, live.restarts)
+            await trio.sleep(backoff)
+
+    async def _watch(self, transport: Transport) -> tuple[str, bool]:
+        """Until the engine dies or wedges: why, and whether it wedged (so must be killed)."""
+        policy = self.policy
+        while True:
+            await trio.sleep(policy.poll_s)
+            if (death := transport.death()) is not None:
+                return death, False
+            overdue = transport.clock.overdue_s(policy.step_timeout_s)
+            if overdue > policy.wedge_grace_s:
+                return f"an engine call ran {overdue:.1f} s past its allowance (wedged)", True
+
+    def _may_restart(self) -> bool:
+        now = trio.current_time()
+        while self._recent and now - self._recent[0] > self.policy.window_s:
+            self._recent.popleft()
+        if len(self._recent) >= self.policy.max_restarts:
+            return False
+        self._recent.append(now)
+        return True
+
+    def _backoff_s(self) -> float:
+        doublings = len(self._recent) - 1
+        return min(self.policy.max_backoff_s, self.policy.first_backoff_s * 2**doublings)
+
+
+@asynccontextmanager
+async def open_supervised_engine(
+    start: EngineStarter, make_port: PortMaker, policy: RestartPolicy
+) -> AsyncIterator[CorePort]:
+    """Start an engine under a supervisor and yield the port the runtime drives; on exit the
+    supervisor stops and the engine it runs then is ended."""
+    supervisor = EngineSupervisor(start, make_port, policy)
+    failure: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        try:
+            port: CorePort = await nursery.start(supervisor.run)
+        except Exception as exc:  # raised below as it is, not in the nursery's group
+            failure = exc
+        else:
+            try:
+                yield port
+            finally:
+                nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
