@@ -303,6 +303,29 @@ async def test_a_wedged_engine_process_is_killed_and_replaced():
         assert isinstance(collected.outcome, Completed)
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_a_wedged_engine_thread_is_abandoned_and_replaced():
+    async with open_runtime(engine_process=False, step_timeout_s=1.0) as rt:
+        port = rt.runtime.engine
+        wedged_call_returned = trio.Event()
+
+        async def wedge() -> None:
+            await port.run(time.sleep, 60.0)  # holds the engine thread for a minute
+            wedged_call_returned.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wedge)
+            with trio.fail_after(50):
+                while port.liveness().generation == 0 or not port.liveness().is_up:
+                    await trio.sleep(0.1)
+            assert "wedged" in (port.liveness().last_cause or "")
+            collected = await rt.collect(GenerationRequest("Hi", SamplingParams(max_tokens=4)))
+            assert isinstance(collected.outcome, Completed)
+            assert not wedged_call_returned.is_set()  # served by a new thread, not behind it
+            nursery.cancel_scope.cancel()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
