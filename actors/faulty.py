@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -25,7 +25,9 @@ from .port import EngineLiveness, EnginePort
 logger = logging.getLogger(__name__)
 
 MARKER = re.compile(r"\[req (\d+)\]")
-StepFaultKind = Literal["step_error", "prefill_error", "kv_exhausted", "step_hang", "step_slow"]
+StepFaultKind = Literal[
+    "step_error", "prefill_error", "kv_exhausted", "step_hang", "step_slow", "engine_crash"
+]
 
 
 class InjectedStepError(RuntimeError):
@@ -34,7 +36,9 @@ class InjectedStepError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class StepFault:
-    """At batch step ``at_step`` (from 1): raise, run out of KV memory, hang, or be slow.
+    """At batch step ``at_step`` (from 1): raise, run out of KV memory, hang, be slow, or
+    crash the engine under the port (``FaultyEngine.crash``: the process is killed; the step
+    then fails as on a real death, and the engine's supervisor restarts it).
 
     ``prefill_error`` waits for the first step in which request ``request`` is prefilling, or
     with ``request=None`` any row is: ``at_step`` does not apply to it.
@@ -72,6 +76,7 @@ class FaultyEngine:
     inner: EnginePort
     faults: Iterable[EngineFault] = ()
     injections: list[Injection] = field(default_factory=list)
+    crash: Callable[[], None] | None = None  # kills the engine under ``inner``
 
     def __post_init__(self) -> None:
         faults = list(self.faults)
@@ -195,6 +200,10 @@ class FaultyEngine:
                     raise MemoryError(f"injected: KV memory exhausted at step {step}")
                 case "step_error" | "prefill_error":
                     raise InjectedStepError(f"injected {fault.kind} at batch step {step}")
+                case "engine_crash":
+                    if self.crash is None:
+                        raise InjectedStepError("injected engine_crash: this engine cannot crash")
+                    self.crash()  # the step below meets a dead engine
             break
         events = await self.inner.batch_step(steps)
         for event in events:
@@ -249,6 +258,6 @@ class FaultyEngine:
         await self.inner.batch_resume(row)
 
     async def batch_reset(self) -> None:
-        await self.inner.batch_reset()
-        self._rows.clear()
+        self._rows.clear()  # whether or not a dead engine can reset: the rows are gone
         self._prefilling.clear()
+        await self.inner.batch_reset()

@@ -83,9 +83,9 @@ class SerialExecutor:
         started = False
         finished = False
         try:
+            await self._wait_for_a_restarting_engine(events)
             if events.receiver_left:
                 return
-            await self._wait_for_a_restarting_engine(events)
             await self.engine.serial_start(job.request)
             started = True
             while not finished and not events.receiver_left:

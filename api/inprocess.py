@@ -236,13 +236,13 @@ async def open_runtime(
         return
 
     async with (
-        _open_supervised_port(model, device, prompt_cache_bytes, engine_process, config) as port,
+        open_supervised_port(model, device, prompt_cache_bytes, engine_process, config) as port,
         open_runtime_actors(port, config) as runtime,
     ):
         yield RuntimeHandle(runtime)
 
 
-def _open_supervised_port(
+def open_supervised_port(
     model: str | None,
     device: str,
     prompt_cache_bytes: int | None,

@@ -72,7 +72,7 @@ def test_every_planned_fault_is_injected_and_the_table_shows_planned_against_inj
     assert "| fault | planned | injected |" in table
     for kind in planned:
         assert f"| {kind} | {planned[kind]} | {injected[kind]} |" in table
-    assert "| every planned fault kind injected | yes | 15 kinds |" in table
+    assert "| every planned fault kind injected | yes | 16 kinds |" in table
 
 
 def test_a_fault_that_cannot_be_injected_fails_the_run():
@@ -382,3 +382,14 @@ def test_a_short_chaos_run_on_the_default_model_over_http():
     report = trio.run(partial(run_on_model, plan, None, http=True))
     assert report.ok, report.table()
     assert "over HTTP" in report.table()
+
+
+@pytest.mark.e2e
+def test_a_chaos_run_that_kills_the_engine_process_on_the_default_model():
+    """SIGKILL of the engine process under load: its rows fail, requests sent while it restarts
+    are refused engine_unavailable, the rest match the fault-free pass, nothing is held."""
+    plan = FaultPlan.generate(1, 20, ("engine_crash", "step_error", "cancel"), step_s=0.1)
+    report = trio.run(run_on_model, plan, None)
+    assert report.ok, report.table()
+    assert report.run.injected["engine_crash"] == 1
+    assert report.run.statistics.engine.restarts == 1 and report.run.statistics.is_healthy

@@ -12,12 +12,12 @@ from multiprocessing.connection import Connection
 import pytest
 import trio
 
-from mlx_trio.actors.engine_port.process import EngineProcessError, open_process_engine, take_frame
+from mlx_trio.actors.engine_port.process import open_process_engine, take_frame
 from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Cancelled, Completed, Failed, GenerationRequest, TextDelta
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.api.inprocess import open_runtime
-from mlx_trio.engine.errors import UnsupportedModelError
+from mlx_trio.engine.errors import EngineUnavailableError, UnsupportedModelError
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import ChatMessage
@@ -115,14 +115,17 @@ async def test_a_killed_engine_process_fails_each_request_once_and_the_runtime_s
         assert len(outcomes) == 3
         assert all(isinstance(o, Failed) and o.code == "engine_fault" for o in outcomes)
         assert "engine process exited" in outcomes[0].message  # type: ignore[attr-defined]
-        # Later requests, on either lane, fail at once with the same reason.
+        # Unsupervised, the engine is down for good: later requests, on either lane, are
+        # refused at once with the reason, and so is every call.
+        assert port.liveness().condition == "down"
         for reproducible in (False, True):
             request = GenerationRequest(
                 (ChatMessage("user", "hi"),), greedy(4), reproducible=reproducible
             )
-            late = await rt.collect(request)
-            assert isinstance(late.outcome, Failed) and "engine process" in late.outcome.message
-        with pytest.raises(EngineProcessError):
+            with pytest.raises(EngineUnavailableError, match="engine process exited"):
+                await rt.collect(request)
+        assert not rt.statistics().is_healthy
+        with pytest.raises(EngineUnavailableError):
             await port.batch_step()
     assert port.exitcode == -signal.SIGKILL
 

@@ -152,6 +152,7 @@ class CorePort:
         itself)."""
         self._transport: Transport | None = transport
         self._liveness = ALWAYS_UP
+        self.is_supervised = False  # set by a supervisor: a dead core is then replaced
         self._started = started
         self._preparer = preparer
         self.max_batch = max_batch
@@ -272,7 +273,17 @@ class CorePort:
                 f"the engine is {live.condition} ({live.last_cause})",
                 retry_after_s=RETRY_AFTER_S if live.condition == "restarting" else None,
             )
-        return (await transport.call(call)).unwrap()
+        try:
+            reply = await transport.call(call)
+        except Exception:
+            # The core is gone: say so now, not at the supervisor's next look, so that no lane
+            # sends it another call meanwhile (rows waiting to join then wait for the next).
+            if self._transport is transport and (death := transport.death()) is not None:
+                live = self._liveness
+                condition = "restarting" if self.is_supervised else "down"
+                self.detach(EngineLiveness(condition, live.generation, live.restarts, death))
+            raise
+        return reply.unwrap()
 
 
 _NO_ENGINE = EngineState()

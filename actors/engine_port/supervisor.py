@@ -77,6 +77,7 @@ class EngineSupervisor:
                 async with self._start() as (transport, started):
                     if self.port is None:
                         self.port = self._make_port(transport, started)
+                        self.port.is_supervised = True
                         self.port.attach(transport, started, live)
                         task_status.started(self.port)
                     else:

@@ -20,7 +20,7 @@ from ...actors.messages import (
     describe,
 )
 from ...actors.port import EnginePort
-from ...engine.errors import OverloadedError, RuntimeClosedError
+from ...engine.errors import EngineUnavailableError, OverloadedError, RuntimeClosedError
 from ..inprocess import RuntimeHandle, open_runtime
 from .plan import RequestPlan
 from .results import RequestResult
@@ -76,7 +76,7 @@ class InProcessClient:
         )
         try:
             handle = await self.rt.submit(request)
-        except (OverloadedError, RuntimeClosedError) as exc:
+        except (OverloadedError, EngineUnavailableError, RuntimeClosedError) as exc:
             result.refused = exc.code
             if isinstance(exc, OverloadedError):
                 config = self.rt.config

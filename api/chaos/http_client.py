@@ -15,7 +15,7 @@ import httpx
 import trio
 
 from ...actors.config import RuntimeConfig, RuntimeStatistics
-from ...actors.port import EnginePort
+from ...actors.port import EngineLiveness, EnginePort
 from ...engine.outputs import PromptCacheStatistics
 from ..http_state import AppState
 from ..server import ServeOptions, serve
@@ -36,7 +36,7 @@ HTTP_ERROR_OUTCOME = {
     "request_cancelled": "cancelled:requested",
     "client_closed": "cancelled:consumer_closed",
 }
-HTTP_REFUSALS = ("overloaded", "shutting_down")
+HTTP_REFUSALS = ("overloaded", "shutting_down", "engine_unavailable")
 
 
 @asynccontextmanager
@@ -65,7 +65,11 @@ def _runtime_statistics(data: dict[str, Any]) -> RuntimeStatistics:
     """Rebuild :class:`RuntimeStatistics` from GET /v1/stats (``asdict`` of it)."""
     cache = data.get("prompt_cache")
     return RuntimeStatistics(
-        **{**data, "prompt_cache": PromptCacheStatistics(**cache) if cache else None}
+        **{
+            **data,
+            "prompt_cache": PromptCacheStatistics(**cache) if cache else None,
+            "engine": EngineLiveness(**data["engine"]),
+        }
     )
 
 

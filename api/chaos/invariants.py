@@ -36,6 +36,7 @@ ENGINE_OUTCOME = {
     "sampler_error": {"failed:engine_fault"},
     "step_hang": {"cancelled:engine_fault"},
     "step_slow": {"completed:length", "completed:stop"},
+    "engine_crash": {"failed:engine_fault"},
 }
 CLEAN = {"completed:length", "completed:stop"}
 # A client that acts after its request already finished sees it completed: that race is real.
@@ -99,19 +100,20 @@ def _every_planned_fault_injected(run: RunResult) -> Check:
 
 def _refusals_only_past_the_bound(run: RunResult) -> Check:
     shutdown = run.plan.shutdown_at_s is not None
+    crashed = bool(run.injected["engine_crash"])  # refused while the engine restarted
     stray = [
         r.plan.number
         for r in run.requests
         if (r.refused == "overloaded" and not r.refused_when_full)
         or (r.refused == "shutting_down" and not shutdown)
+        or (r.refused == "engine_unavailable" and not crashed)
     ]
     burst = [r for r in run.requests if r.plan.in_burst]
     # A burst past the bound meets a full gate, unless the shutdown closed admission first
-    # (over HTTP a burst takes a while to arrive, so the shutdown may come in the middle of it).
-    bound_held = (
-        not burst
-        or any(r.refused == "overloaded" for r in burst)
-        or any(r.refused == "shutting_down" for r in burst)
+    # (over HTTP a burst takes a while to arrive, so the shutdown may come in the middle of it)
+    # or it arrived while a crashed engine restarted.
+    bound_held = not burst or any(
+        r.refused in ("overloaded", "shutting_down", "engine_unavailable") for r in burst
     )
     refused = f"{sum(bool(r.refused) for r in run.requests)} refused"
     if run.health_status is not None:
@@ -197,16 +199,16 @@ def _untouched_match(run: RunResult, reference: Callable[[RequestPlan], Expected
 
 def _stuck_step_unhealthy(run: RunResult) -> Check:
     """After a hang: unhealthy during the run (over HTTP /health says 503), and still at the
-    end, with one stuck step counted for each hang."""
+    end, with one stuck step counted for each hang; unless a crash restarted the engine since:
+    a new engine is a healthy one."""
     s, probe, hangs = run.statistics, run.hang_probe, run.injections["step_hang"]
     seen_unhealthy = (
         probe is not None and not probe.is_healthy and probe.health_status in (None, 503)
     )
+    restarted = run.injections["engine_crash"] > 0 and s.engine.restarts > 0
+    unhealthy_at_end = not s.is_healthy and run.health_status in (None, 503)
     hung_ok = (not hangs) or (
-        seen_unhealthy
-        and not s.is_healthy
-        and s.stuck_steps == hangs
-        and run.health_status in (None, 503)
+        seen_unhealthy and s.stuck_steps == hangs and (unhealthy_at_end or restarted)
     )
     during = "not probed" if probe is None else f"healthy={probe.is_healthy}"
     if probe is not None and probe.health_status is not None:
@@ -245,9 +247,8 @@ def _counters_agree(run: RunResult) -> Check:
     overloaded = sum(r.refused == "overloaded" for r in run.requests)
     if overloaded != s.refused:
         mismatches.append(f"refused stats={s.refused} seen={overloaded}")
-    step_faults = sum(
-        run.injections[k] for k in ("step_error", "prefill_error", "kv_exhausted", "add_error")
-    )
+    failing = ("step_error", "prefill_error", "kv_exhausted", "add_error", "engine_crash")
+    step_faults = sum(run.injections[k] for k in failing)
     if step_faults != s.engine_faults:
         mismatches.append(f"engine_faults stats={s.engine_faults} injected={step_faults}")
     return Check(

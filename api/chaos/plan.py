@@ -22,6 +22,7 @@ ENGINE_KINDS = (
     "step_hang",
     "step_slow",
     "kv_exhausted",
+    "engine_crash",
 )
 CLIENT_KINDS = (
     "consumer_stall",

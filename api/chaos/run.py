@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
+import signal
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -30,15 +34,26 @@ from .plan import (
 from .report import ChaosReport
 from .results import HealthProbe, RequestResult, RunResult
 
+if TYPE_CHECKING:
+    from ...actors.scripted import ScriptedEngine
+
 logger = logging.getLogger(__name__)
 
 MODEL_STEP_TIMEOUT_S = 10.0
+SCRIPTED_RESTART_STEPS = 20  # a crashed scripted engine is back after this many steps' time
 
 
-async def run_plan(plan: FaultPlan, inner: EnginePort, *, http: bool = False) -> RunResult:
+async def run_plan(
+    plan: FaultPlan,
+    inner: EnginePort,
+    *,
+    http: bool = False,
+    crash: Callable[[], None] | None = None,
+) -> RunResult:
     """Drive ``plan`` on ``inner`` wrapped with the plan's faults: through the in-process API,
-    or (``http``) through real HTTP clients against the real server, in real time."""
-    engine = FaultyEngine(inner)
+    or (``http``) through real HTTP clients against the real server, in real time. ``crash``
+    kills the engine under ``inner`` (for ``engine_crash``)."""
+    engine = FaultyEngine(inner, crash=crash)
     results = {r.number: RequestResult(r) for r in plan.requests}
     row_faults = [f for f in plan.engine_faults if f.kind in ROW_FAULT_KINDS]
     carriers = _Carriers(engine, [*row_faults, *plan.client_faults])
@@ -179,8 +194,20 @@ async def run_scripted(plan: FaultPlan, *, step_s: float = 0.01, http: bool = Fa
     runs in real time, as sockets need)."""
     from ...actors.scripted import Script, ScriptedEngine
 
-    run = await run_plan(plan, ScriptedEngine(Script(step_s=step_s)), http=http)
+    engine = ScriptedEngine(Script(step_s=step_s))
+    async with trio.open_nursery() as restarts:
+
+        def crash() -> None:  # as a supervisor would: down now, a new engine a while later
+            engine.go_down("injected: the engine crashed")
+            restarts.start_soon(_come_back, engine, SCRIPTED_RESTART_STEPS * step_s)
+
+        run = await run_plan(plan, engine, http=http, crash=crash)
     return ChaosReport(run, check(run, scripted_reference))
+
+
+async def _come_back(engine: ScriptedEngine, after_s: float) -> None:
+    await trio.sleep(after_s)
+    engine.come_back()
 
 
 async def run_on_model(
@@ -190,14 +217,20 @@ async def run_on_model(
     tokens and text; then the plan runs on the same engine, in-process or over HTTP. The step
     watchdog is at least ``MODEL_STEP_TIMEOUT_S``: a plan's 1 s suits the scripted engine's
     steps, while a real model's prefill on a busy 2-core machine can take longer."""
-    from ...actors.engine_port.thread import EngineThread, ThreadedEngine
+    from ..inprocess import open_supervised_port
 
     watchdog = max(plan.config.step_timeout_s, MODEL_STEP_TIMEOUT_S)
     plan = replace(plan, config=replace(plan.config, step_timeout_s=watchdog))
-    with EngineThread() as thread:
-        engine = await ThreadedEngine.load(
-            thread, model, device=device, max_batch=plan.config.max_batch
-        )
+    # A crash kills the engine's process: the one engine that can die alone (a thread cannot).
+    process = True if plan.planned["engine_crash"] else None
+    async with open_supervised_port(model, device, None, process, plan.config) as engine:
+
+        def crash() -> None:
+            pid = engine.liveness().pid
+            assert pid is not None, "engine_crash needs the engine in a process"
+            logger.info("killing the engine process %d", pid)
+            os.kill(pid, signal.SIGKILL)
+
         # Every request, burst included (a queue long enough that none is refused), no fault.
         calm = replace(
             plan,
@@ -220,5 +253,5 @@ async def run_on_model(
                 len(expected),
                 len(baseline.requests),
             )
-        run = await run_plan(plan, engine, http=http)
+        run = await run_plan(plan, engine, http=http, crash=crash)
     return ChaosReport(run, check(run, lambda p: expected.get(p.number)))
