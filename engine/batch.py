@@ -30,9 +30,11 @@ from .generate import Engine
 from .outputs import RowEvent, RowFailed, RowProgress
 from .params import PreparedRequest, SamplingParams
 from .sampling import Sampler, make_row_sampler, with_injected_fault
+from .schedule import TokenBudget
 from .solo import SoloRow
 
 DEFAULT_PREFILL_CHUNK = 256
+PREFILL_BATCH = 8  # prompts prefilled together, without a budget
 
 
 class BatchEngine:
@@ -43,18 +45,24 @@ class BatchEngine:
         engine: Engine,
         *,
         max_batch: int = 32,
-        prefill_batch: int = 8,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        budget: TokenBudget | None = None,
         sampler_factory: Callable[[SamplingParams], Sampler | None] = make_row_sampler,
         solo: bool = True,
     ) -> None:
-        """``sampler_factory`` builds each row's sampler (None: greedy); it is the seam for
-        injecting a failing sampler. ``solo``: step a lone row with ``generate_step``."""
+        """``budget``: how much prompt a step prefills beside its decoding rows
+        (``engine/schedule.py``; None: ``prefill_chunk`` tokens for each of up to
+        ``PREFILL_BATCH`` prompts, as before the budget); ``prefill_chunk`` also bounds the
+        prompt a lone row prefills with ``generate_step``. ``sampler_factory`` builds each
+        row's sampler (None: greedy); it is the seam for injecting a failing sampler. ``solo``:
+        step a lone row with ``generate_step``."""
         self._engine = engine
         self._sampler_factory = sampler_factory
-        self._batch = GeneratorRows(
-            engine, max_batch=max_batch, prefill_batch=prefill_batch, prefill_chunk=prefill_chunk
-        )
+        if budget is None:
+            budget = TokenBudget(
+                PREFILL_BATCH * prefill_chunk, PREFILL_BATCH * prefill_chunk, prefill_chunk
+            )
+        self._batch = GeneratorRows(engine, max_batch=max_batch, budget=budget)
         self._rows: dict[int, BatchRow] = {}
         self._faults: dict[int, str] = {}  # sampler failures of this step, by row
         self._next_row = 0

@@ -33,6 +33,7 @@ from .sampling import (
     make_row_processors,
     repair_random_state,
 )
+from .schedule import TokenBudget
 
 
 @dataclass(slots=True)
@@ -167,15 +168,14 @@ def commit(engine: Engine, tokens: list[int], caches: list[Any] | None) -> None:
 class GeneratorRows:
     """The rows in mlx-lm's ``BatchGenerator``, by uid; called on the engine thread only."""
 
-    def __init__(
-        self, engine: Engine, *, max_batch: int, prefill_batch: int, prefill_chunk: int
-    ) -> None:
+    def __init__(self, engine: Engine, *, max_batch: int, budget: TokenBudget) -> None:
         self._engine = engine
+        self._budget = budget
         self._generator = BatchGenerator(
             engine.model,
             completion_batch_size=max_batch,
-            prefill_batch_size=min(prefill_batch, max_batch),
-            prefill_step_size=prefill_chunk,
+            prefill_batch_size=max_batch,
+            prefill_step_size=budget.max_chunk,
         )
         self._row_of_uid: dict[int, BatchRow] = {}
 
@@ -249,6 +249,7 @@ class GeneratorRows:
         """One ``BatchGenerator.next()``: prefilling rows' ``progress``, and each generating
         row's token kept (the row then in ``touched``); whether a row got its first token. A
         row that mlx-lm ends (stop token, ``max_tokens``) leaves, its KV to the prompt cache."""
+        self._apply_budget()
         prompt_responses, generation_responses = self._generator.next()
         in_batch = self._row_of_uid
         for response in prompt_responses:
@@ -276,6 +277,25 @@ class GeneratorRows:
                 commit(self._engine, list(response.all_tokens or []), response.prompt_cache)
         return first_token
 
+    def _apply_budget(self) -> None:
+        """Set the next ``BatchGenerator.next()``'s prompts and chunk by the token budget:
+        mlx-lm takes up to ``prefill_batch_size`` rows into its prompt batch, in order, and
+        prefills ``prefill_step_size`` tokens of each per step (mlx-lm 0.32's fields: its
+        ``_next`` reads them every step)."""
+        generator = self._generator
+        preparing = [_tokens_left(entry[0]) for entry in generator._currently_processing]
+        waiting = [_tokens_left(entry[1]) for entry in generator._unprocessed_sequences]
+        joining = self._budget.prompts_to_prepare(preparing, waiting) if waiting else 0
+        rows = len(preparing) + joining
+        chunk = self._budget.chunk(len(generator._generation_batch), rows)
+        generator.prefill_batch_size = rows
+        generator.prefill_step_size = chunk
+        generator._prompt_batch.prefill_step_size = chunk
+
     def close(self) -> None:
         self._row_of_uid.clear()
         self._generator.close()
+
+
+def _tokens_left(segments: list[list[int]]) -> int:
+    return sum(len(segment) for segment in segments)
