@@ -12,7 +12,7 @@ bfloat16 and 4-bit (``mlx.nn.quantize``, group 64). For each, after the runtime'
 - ``mlx-trio serial``: one ``reproducible`` session, mlx-lm's ``generate_step`` under the
   runtime (1 stream only);
 - ``mlx-trio HTTP``: ``api.server.serve`` in this process, streaming clients in a separate
-  process (``bench.http_load``), so the load generator does not share this process's GIL;
+  process (``mlx_trio.api.bench.http_load``), so that it does not share this process's GIL;
 - ``in-process, engine process`` and ``HTTP, engine process``: the same two with the engine in
   a child process of its own (``ProcessEngine``) instead of on a thread beside the event loop.
 
@@ -208,7 +208,7 @@ def build_engine(quick: bool, quantized: bool) -> Engine:
 
 
 def prompt_text(index: int) -> str:
-    from bench.http_load import prompt
+    from mlx_trio.api.bench.scenarios import prompt
 
     return prompt(index)
 
@@ -476,7 +476,7 @@ class Bench:
         command = [
             sys.executable,
             "-m",
-            "bench.http_load",
+            "mlx_trio.api.bench.http_load",
             "--url",
             url,
             "--clients",

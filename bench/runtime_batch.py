@@ -18,12 +18,12 @@ from functools import partial
 
 import trio
 
-from bench.http_load import prompt
 from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.engine_port.process import open_process_engine
 from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.actors.port import EnginePort
+from mlx_trio.api.bench.scenarios import prompt
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
 from mlx_trio.engine.generate import Engine
