@@ -2,6 +2,10 @@
 
 Same model object, same prompt, greedy, interleaved rounds in one process; prints each
 round and the median ratio. Usage: ``python -m bench.engine_decode [--model M] [--rounds N]``.
+
+A micro-benchmark beside the harness (design/014-bench.md): the harness measures systems through
+the runtime or a server; this measures the engine's own serial path (``Engine.generate``, no
+runtime, no event loop), decode only (from the first token to the last).
 """
 
 from __future__ import annotations

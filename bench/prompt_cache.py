@@ -4,6 +4,10 @@
 ~1,000-token system prompt; each turn resends the whole conversation, as chat clients do. Reports
 TTFT p50/p99 for the first turn and for turns 2-6, and the total time, with the ratios.
 Usage: ``python -m bench.prompt_cache [--model M] [--conversations 8] [--turns 6]``.
+
+A micro-benchmark beside the harness (design/014-bench.md): the harness's streams each send one
+prompt, so a cache could only help with the chat template's prefix; this one is about the turns
+after the first, and about the same runtime with the cache on and off.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ rounds; also the Trio event loop's lag (a 5 ms ticker) while the runtime's batch
 ``--engine-process`` adds the runtime over an engine process (``ProcessEngine``, its own copy of
 the model in a child) to each round.
 Usage: ``python -m bench.runtime_batch [--model M] [--sessions 32] [--max-tokens 64]``.
+
+A micro-benchmark beside the harness (design/014-bench.md): ``mlx-trio bench --gpu --systems
+batch,inprocess,proc`` makes the same comparison on one model object, but on the random-weight
+benchmark model with token-id prompts; this one runs a real model with its chat template, and
+measures what the harness does not: the event loop's lag while the runtime batches.
 """
 
 from __future__ import annotations
@@ -18,12 +23,12 @@ from functools import partial
 
 import trio
 
-from bench.http_load import prompt
 from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.engine_port.process import open_process_engine
 from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.actors.port import EnginePort
+from mlx_trio.api.bench.scenarios import prompt
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
 from mlx_trio.engine.generate import Engine

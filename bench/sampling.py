@@ -4,6 +4,9 @@ Both sample every row of a batch on its own, as ``BatchGenerator`` does when row
 samplers; same log-probabilities, interleaved rounds in one process; prints the median time per
 batch step of each and their ratio. Usage:
 ``python -m bench.sampling [--rows 32] [--vocab 49152] [--rounds 7]``.
+
+A micro-benchmark beside the harness (design/014-bench.md): the harness's streams are greedy,
+and this times one piece of a sampled step, with no model at all.
 """
 
 from __future__ import annotations

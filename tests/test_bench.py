@@ -21,6 +21,8 @@ from mlx_trio.api.bench.systems import SYSTEMS
 from mlx_trio.api.cli import main
 
 SAVED = Path(__file__).parent / "data" / "bench_suite.json"  # bench/results/suite.json, trimmed
+# bench/results/gpu.json, trimmed: bf16 at 1 and 8 streams
+SAVED_GPU = Path(__file__).parent / "data" / "bench_gpu.json"
 
 
 def mlx_trio(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -43,6 +45,20 @@ def test_an_unknown_system_is_refused_with_the_known_ones() -> None:
     done = mlx_trio("bench", "--systems", "vllm")
     assert done.returncode == 2
     assert "unknown ['vllm']; choose from stream_generate," in done.stderr
+
+
+def test_a_flag_or_system_of_the_other_run_is_refused() -> None:
+    done = mlx_trio("bench", "--rounds", "2")
+    assert (done.returncode, done.stderr) == (
+        1,
+        "mlx-trio: error: --rounds: for the GPU run: add --gpu\n",
+    )
+    done = mlx_trio("bench", "--gpu", "--systems", "batch,mlx_lm-http")
+    assert done.returncode == 1
+    assert (
+        "['mlx_lm-http'] are not the GPU run's (--gpu) systems; choose from generate_step,"
+        in done.stderr
+    )
 
 
 def test_the_default_scenario_is_the_readme_one() -> None:
@@ -76,6 +92,16 @@ def test_report_only_prints_the_saved_table(tmp_path: Path, capsys: pytest.Captu
         assert png.stat().st_size > 0
     else:  # without it the table still comes, the plot does not
         assert not png.exists()
+
+
+def test_report_only_prints_a_saved_gpu_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "--report-only", str(SAVED_GPU), "--png", str(tmp_path / "g.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| 8 | - | 1,366 | 1,243 (0.91x) | 1,023 (0.75x) | - | 1,228 (0.90x) | - | - |" in out
+    assert (
+        "1: mlx-trio in-process 0.98x [0.95-1.06], 40, mlx-trio HTTP 0.94x [0.89-0.97], 40" in out
+    )
+    assert "single stream: best 360 tok/s of a 1,942 steps/s bandwidth limit (19%)" in out
 
 
 def test_measurements_become_json_the_report_reads() -> None:
@@ -119,3 +145,21 @@ def test_the_harness_runs_one_cheap_system(tmp_path: Path) -> None:
     assert (level["scenario"], level["clients"], level["num_errors"]) == ("chat", 1, 0)
     assert 1 <= level["completion_tokens"] <= 4
     assert "| 1 | mlx-trio in-process |" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_gpu_run_runs_on_cpu_with_the_quick_model(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    done = mlx_trio(
+        *("bench", "--gpu", "--quick", "--models", "bf16", "--systems", "batch,inprocess,http"),
+        *("--concurrency", "2", "--max-tokens", "4", "--rounds", "2", "--out", str(out)),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    entry = json.loads(out.read_text())["models"]["bf16"]
+    assert entry["rounds"] == 2
+    for system in ("raw BatchGenerator", "mlx-trio in-process", "mlx-trio HTTP"):
+        cell = entry["results"][system]["2"]
+        assert (cell["tokens"], cell["failures"]) == ([8, 8], []), system
+    assert "| 2 | - | " in done.stdout
+    assert "2: mlx-trio in-process " in done.stdout  # the paired ratios

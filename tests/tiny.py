@@ -1,20 +1,22 @@
-"""A tiny random llama and a byte-level BPE tokenizer, built in memory (no download)."""
+"""A tiny random llama and a byte-level BPE tokenizer, built in memory (no download).
+
+The recipe is ``mlx_trio.engine.random_model``'s, which the benchmark's model shares; what is
+the tests' own is the size, the few merges and the chat template.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 from mlx_lm.models import llama
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_trio.engine.errors import UnsupportedModelError
 from mlx_trio.engine.generate import Engine, RequestPreparer
 from mlx_trio.engine.loader import LoadedModel
+from mlx_trio.engine.random_model import byte_level_tokenizer, in_memory, random_llama
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -23,22 +25,13 @@ CHAT_TEMPLATE = (
 
 def make_tokenizer() -> TokenizerWrapper:
     """Byte-level BPE over the 256 bytes plus a few merges; ``<|im_end|>`` ends a turn."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    return byte_level_tokenizer(
+        [a + b for a, b in MERGES],
+        SPECIALS,
         eos_token="<|im_end|>",
-        bos_token=None,
+        merges=MERGES,
         chat_template=CHAT_TEMPLATE,
     )
-    return TokenizerWrapper(hf, detokenizer_class=BPEStreamingDetokenizer)
 
 
 def make_model(vocab_size: int, *, seed: int = 0) -> llama.Model:
@@ -54,8 +47,7 @@ def make_model(vocab_size: int, *, seed: int = 0) -> llama.Model:
         tie_word_embeddings=False,
         max_position_embeddings=512,
     )
-    mx.random.seed(seed)
-    model = llama.Model(args)
+    model = random_llama(args, seed=seed)
     # Unit-scale embeddings and an untied head make greedy decoding wander instead of
     # repeating one token, so tests see varied text.
     model.update({"model": {"embed_tokens": {"weight": mx.random.normal((vocab_size, 64))}}})
@@ -65,11 +57,11 @@ def make_model(vocab_size: int, *, seed: int = 0) -> llama.Model:
 
 def make_loaded(context_length: int = 512) -> LoadedModel:
     tokenizer = make_tokenizer()
-    return LoadedModel(
-        model=make_model(len(tokenizer)),
-        tokenizer=tokenizer,
-        model_id="tiny-llama",
-        path=Path("."),
+    model = make_model(len(tokenizer))
+    return in_memory(
+        model,
+        tokenizer,
+        "tiny-llama",
         dtype="float32",
         is_quantized=False,
         context_length=context_length,

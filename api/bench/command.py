@@ -1,8 +1,16 @@
-"""``mlx-trio bench``: the flags, and running the harness or reporting a saved run.
+"""``mlx-trio bench``: the flags, and running the suite, the GPU run, or reporting a saved run.
 
-It logs a progress line per run (stderr), writes the results as JSON, draws the plot where
-matplotlib is installed (``pip install 'mlx-trio[bench]'``) and prints the markdown table, the
-ratios and the goals on stdout. ``--report-only FILE`` does the last three from a saved JSON.
+Two runs share the command, the prompts (``scenarios``), the load generator and the output:
+
+- the suite (the default): every system of ``systems.SYSTEMS`` in a process of its own on the
+  default model, scenarios x concurrency levels (``runner``, ``report``);
+- the GPU run (``--gpu``): every system of ``wave_plan.WAVE_SYSTEMS`` in this process on one
+  random-weight Llama-3.2-1B-shaped model, in paired waves (``wave_runner``, ``wave_report``).
+  ``--quick`` shrinks the model so that a CPU runs it in a minute or two.
+
+Either logs a progress line per run (stderr), writes its results as JSON, draws the plot where
+matplotlib is installed (``pip install 'mlx-trio[bench]'``) and prints the markdown table on
+stdout. ``--report-only FILE`` does the last two from a saved JSON of either run.
 """
 
 from __future__ import annotations
@@ -11,21 +19,36 @@ import argparse
 import json
 import logging
 import os
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from . import report
+from . import report, wave_report
 from .scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, parse_scenarios
 from .systems import SYSTEMS
+from .wave_plan import MODELS, QUICK_LEVELS, QUICK_MAX_TOKENS, WAVE_SYSTEMS, WavePlan
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEVELS = "1,4,8,16,32,64"
-DEFAULT_OUT = Path("bench-results") / "suite.json"
+DEFAULT_RESULTS = Path("bench-results")
 PLOT_EXTRA = "pip install 'mlx-trio[bench]'"
+# The flags of one run only, by dest (None when not given): the other run refuses them.
+SUITE_ONLY = ("scenarios", "cancel_probe")
+GPU_ONLY = (
+    "quick",
+    "models",
+    "prompt_tokens",
+    "rounds",
+    "single_repeats",
+    "budget_s",
+    "warmup_only",
+)
+# Loggers that would write a line per request or session in the GPU run's own process.
+GPU_QUIET = ("hypercorn.error", "mlx_trio.server", "mlx_trio.http", "mlx_trio.actors")
 
 
 def _levels(text: str) -> list[int]:
@@ -38,13 +61,21 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
-def _systems(text: str) -> list[str]:
+def _keys(text: str, known: Iterable[str], what: str, choices: str | None = None) -> list[str]:
+    """Comma-separated keys, each one of ``known`` (``choices`` says which, if not them all)."""
     keys = [k.strip() for k in text.split(",") if k.strip()]
     if not keys:
-        raise argparse.ArgumentTypeError("at least one system")
-    if unknown := [k for k in keys if k not in SYSTEMS]:
-        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+        raise argparse.ArgumentTypeError(f"at least one {what}")
+    if unknown := [k for k in keys if k not in known]:
+        choices = choices or ", ".join(known)
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {choices}")
     return keys
+
+
+def _systems(text: str) -> list[str]:
+    """Keys of either run's systems (they are distinct); which run's is checked once parsed."""
+    choices = f"{', '.join(SYSTEMS)}, or with --gpu from {', '.join(WAVE_SYSTEMS)}"
+    return _keys(text, [*SYSTEMS, *WAVE_SYSTEMS], "system", choices)
 
 
 def _scenarios(text: str) -> list[Scenario]:
@@ -54,45 +85,109 @@ def _scenarios(text: str) -> list[Scenario]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, default_out: Path = DEFAULT_OUT) -> None:
-    """The harness's flags on ``parser`` (``mlx-trio bench`` and ``python -m bench.suite``)."""
+def add_arguments(
+    parser: argparse.ArgumentParser, *, results_dir: Path = DEFAULT_RESULTS, gpu: bool = False
+) -> None:
+    """The harness's flags on ``parser`` (``mlx-trio bench``, ``python -m bench.suite`` and
+    ``python -m bench.gpu``); results go to ``results_dir`` unless ``--out`` says; ``gpu``:
+    the GPU run is the default."""
+    parser.set_defaults(results_dir=results_dir)
     parser.add_argument(
-        "--systems", type=_systems, default=list(SYSTEMS), help=f"of {','.join(SYSTEMS)}"
+        "--systems",
+        type=_systems,
+        default=None,
+        help=f"of {','.join(SYSTEMS)}; with --gpu of {','.join(WAVE_SYSTEMS)} (default: all)",
     )
     parser.add_argument(
         "--scenarios",
         type=_scenarios,
-        default=[SCENARIOS[DEFAULT_SCENARIO]],
+        default=None,
         help=f"of {','.join(SCENARIOS)} (default {DEFAULT_SCENARIO})",
     )
+    levels = ",".join(map(str, WavePlan().concurrency))
+    quick_levels = ",".join(map(str, QUICK_LEVELS))
     parser.add_argument(
-        "--concurrency", type=_levels, default=_levels(DEFAULT_LEVELS), help=DEFAULT_LEVELS
+        "--concurrency",
+        type=_levels,
+        default=None,
+        help=f"default {DEFAULT_LEVELS}; --gpu {levels}, --quick {quick_levels}",
     )
     parser.add_argument(
         "--max-tokens",
         type=int,
         default=None,
-        help="new tokens per stream (default: the scenario's)",
+        help=f"new tokens per stream (default: the scenario's; --gpu {WavePlan().max_tokens}, "
+        f"--quick {QUICK_MAX_TOKENS})",
     )
     parser.add_argument(
         "--cancel-probe",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="probe how soon a cancelled stream leaves the batch (mlx-trio in-process)",
+        default=None,
+        help="probe how soon a cancelled stream leaves the batch (mlx-trio in-process; default on)",
     )
-    parser.add_argument("--out", type=Path, default=default_out, help="the results JSON")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"the results JSON (default {results_dir}/suite.json, gpu.json with --gpu)",
+    )
     parser.add_argument("--png", type=Path, default=None, help="the plot (default: --out, .png)")
-    parser.add_argument("--report-only", type=Path, default=None, help="a results JSON to report")
+    parser.add_argument(
+        "--report-only", type=Path, default=None, help="a results JSON to report (either run's)"
+    )
+    _add_gpu_arguments(parser, gpu)
 
 
-def draw(data: dict[str, Any], png: Path) -> bool:
-    """The plot to ``png`` if matplotlib is installed; False, said once, if it is not."""
+def _add_gpu_arguments(parser: argparse.ArgumentParser, gpu: bool) -> None:
+    plan = WavePlan()
+    flags = parser.add_argument_group(
+        "the GPU run",
+        "every system in this process on one random-weight Llama-3.2-1B-shaped model, in paired "
+        "waves (design/008-gpu.md)",
+    )
+    flags.add_argument("--gpu", action="store_true", default=gpu, help="run it (not the suite)")
+    flags.add_argument(
+        "--quick", action="store_true", default=None, help="a small model: a CPU check of the path"
+    )
+    flags.add_argument(
+        "--models",
+        type=partial(_keys, known=MODELS, what="model"),
+        default=None,
+        help=f"of {','.join(MODELS)} (default: both)",
+    )
+    flags.add_argument(
+        "--prompt-tokens", type=int, default=None, help=f"default {plan.prompt_tokens}"
+    )
+    flags.add_argument("--rounds", type=int, default=None, help=f"default {plan.rounds}")
+    flags.add_argument(
+        "--single-repeats",
+        type=int,
+        default=None,
+        help=f"1-stream waves a round (default {plan.single_repeats})",
+    )
+    flags.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"stop adding rounds after (default {plan.budget_s:g})",
+    )
+    flags.add_argument(
+        "--warmup-only",
+        action="store_true",
+        default=None,
+        help="build each model and time its warm-up alone",
+    )
+
+
+def draw(plot: Callable[[Any, Path], None], data: dict[str, Any], png: Path) -> bool:
+    """``plot(data, png)`` if matplotlib is installed; False, said once, if it is not."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         logger.warning("no plot: matplotlib is not installed (%s)", PLOT_EXTRA)
         return False
-    report.plot(data, png)
+    plot(data, png)
+    logger.info("drew %s", png)
     return True
 
 
@@ -112,45 +207,109 @@ def _process_age_s() -> float | None:
         return None
 
 
+def _refuse(message: str) -> None:
+    raise SystemExit(f"mlx-trio: error: {message}")
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Flags that belong to the other run, and systems of the other run's table, are refused."""
+    others = SUITE_ONLY if args.gpu else GPU_ONLY
+    if given := [f"--{d.replace('_', '-')}" for d in others if getattr(args, d) is not None]:
+        run = "the suite's, not for --gpu" if args.gpu else "for the GPU run: add --gpu"
+        _refuse(f"{', '.join(given)}: {run}")
+    table = WAVE_SYSTEMS if args.gpu else SYSTEMS
+    if args.systems and (wrong := [k for k in args.systems if k not in table]):
+        run = "the GPU run's (--gpu)" if args.gpu else "the suite's"
+        _refuse(f"{wrong} are not {run} systems; choose from {', '.join(table)}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        _refuse("--max-tokens must be at least 1")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the harness (or report ``--report-only``); 1 if some system did not run through."""
+    """Run the suite or the GPU run, or report ``--report-only``; 1 if some system of the suite
+    did not run through."""
     for handler in logging.getLogger().handlers:
         handler.setFormatter(_Elapsed("%(message)s"))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if args.report_only is not None:
         data = json.loads(args.report_only.read_text())
-        png = args.png or args.report_only.with_suffix(".png")
-    else:
-        if args.max_tokens is not None and args.max_tokens < 1:
-            raise SystemExit("mlx-trio: error: --max-tokens must be at least 1")
-        data = _run_harness(args)
-        png = args.png or args.out.with_suffix(".png")
-    if draw(data, png):
-        logger.info("drew %s", png)
+        return _report(data, args.png or args.report_only.with_suffix(".png"))
+    _check(args)
+    out = args.out or args.results_dir / ("gpu.json" if args.gpu else "suite.json")
+    png = args.png or out.with_suffix(".png")
+    if args.gpu:
+        return _run_gpu(args, out, png)
+    data = _run_suite(args, out)
+    status = _report(data, png)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    logger.info("wrote %s", out)
+    return status
+
+
+def _report(data: dict[str, Any], png: Path) -> int:
+    """Plot and print ``data``, a JSON of either run (the GPU run's has ``models``)."""
+    if "models" in data:
+        draw(wave_report.plot, data, png)
+        print(wave_report.table(data))
+        return 0
+    draw(report.plot, data, png)
     print(report.render(data))
-    if args.report_only is None:
-        args.out.write_text(json.dumps(data, indent=2) + "\n")
-        logger.info("wrote %s", args.out)
     return 1 if any(system["error"] for system in data["systems"]) else 0
 
 
-def _run_harness(args: argparse.Namespace) -> dict[str, Any]:
+def _run_suite(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from .runner import run_suite
     from .systems import ensure_f32_model
 
-    scenarios = [s.with_max_tokens(args.max_tokens) for s in args.scenarios]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    needs_f32 = any(SYSTEMS[k].system == "mlx_lm" for k in args.systems)
+    keys = args.systems or list(SYSTEMS)
+    scenarios = [
+        s.with_max_tokens(args.max_tokens) for s in args.scenarios or [SCENARIOS[DEFAULT_SCENARIO]]
+    ]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    needs_f32 = any(SYSTEMS[k].system == "mlx_lm" for k in keys)
     f32_dir = ensure_f32_model() if needs_f32 else None
     suite = partial(
         run_suite,
-        keys=args.systems,
+        keys=keys,
         scenarios=scenarios,
-        levels=args.concurrency,
+        levels=args.concurrency or _levels(DEFAULT_LEVELS),
         f32_dir=f32_dir,
-        log_dir=args.out.parent,
-        cancel_probe=args.cancel_probe,
+        log_dir=out.parent,
+        cancel_probe=args.cancel_probe is not False,
     )
     data = trio.run(suite)
     data["total_s"] = _process_age_s()
     return data
+
+
+def gpu_plan(args: argparse.Namespace) -> WavePlan:
+    """The GPU run's plan from the flags; what they leave out, ``WavePlan``'s defaults (or
+    ``--quick``'s levels and tokens)."""
+    quick = bool(args.quick)
+    levels = args.concurrency or (QUICK_LEVELS if quick else None)
+    given = {
+        "models": args.models and tuple(args.models),
+        "systems": args.systems and tuple(WAVE_SYSTEMS[k] for k in args.systems),
+        "concurrency": levels and tuple(levels),
+        "max_tokens": args.max_tokens or (QUICK_MAX_TOKENS if quick else None),
+        "prompt_tokens": args.prompt_tokens,
+        "rounds": args.rounds,
+        "single_repeats": args.single_repeats,
+        "budget_s": args.budget_s,
+    }
+    return WavePlan(quick=quick, **{k: v for k, v in given.items() if v is not None})
+
+
+def _run_gpu(args: argparse.Namespace, out: Path, png: Path) -> int:
+    from .wave_runner import run_waves, warmup_only
+
+    for name in GPU_QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    plan = gpu_plan(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.warmup_only:
+        print(json.dumps(trio.run(warmup_only, plan, out)["warmup_only"], indent=1))
+        return 0
+    data = trio.run(run_waves, plan, out)
+    logger.info("wrote %s", out)
+    return _report(data, png)

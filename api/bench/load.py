@@ -9,7 +9,8 @@ content chunks) and what went wrong, if anything. The run reports generated toke
 of wall time over the whole run, TTFT and ITL percentiles, and errors by kind.
 
 This is the harness's one load generator: ``mlx-trio bench`` drives both servers with it, and
-``python -m bench.http_load --url http://127.0.0.1:8000 --clients 8`` runs it alone. Only
+``python -m mlx_trio.api.bench.http_load --url http://127.0.0.1:8000 --clients 8`` runs it alone
+(``http_load``; the GPU run's HTTP waves run it so, in a process of their own). Only
 loopback URLs are accepted: this benchmark never loads a remote host.
 """
 
