@@ -28,7 +28,9 @@ class RuntimeConfig:
     (tokens per row per event); None picks it per call, 1 unless the event loop's measured CPU
     time per call is a noticeable share of the call's steps (see ``BatchGroup``).
     ``max_engine_restarts``: how many times the engine's supervisor restarts a dead or wedged
-    engine within ten minutes before it gives up (0: never).
+    engine within ten minutes before it gives up (0: never). ``max_preparation_tokens`` and
+    ``max_iteration_tokens``: the batch's token budget (``engine/schedule.py``; None: the
+    device's).
     """
 
     max_batch: int = 8
@@ -43,6 +45,8 @@ class RuntimeConfig:
     admission_window_s: float = 0.005
     steps_per_call: int | None = None
     max_engine_restarts: int = 5
+    max_preparation_tokens: int | None = None
+    max_iteration_tokens: int | None = None
 
     @property
     def live_limit(self) -> int:

@@ -31,6 +31,7 @@ from ..engine.outputs import (
 from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt, check_fits, check_messages
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ..engine.schedule import TokenBudget
 from ..engine.stops import StopStringMatcher
 from .port import ALWAYS_UP, EngineLiveness
 
@@ -57,10 +58,13 @@ class Script:
     ``fail_batch_steps`` / ``hang_batch_steps``: global batch step numbers (from 1) that raise or
     never return. ``row_faults``: prompt text -> the generated-token index at which that row's
     sampler raises. ``step_s``: simulated time per step; ``slow_steps`` overrides it per step.
+    ``budget``: the batch prefills by this token budget, as the real one does
+    (``engine/schedule.py``); None: every prompt ``prefill_chunk`` tokens a step.
     """
 
     step_s: float = 0.01
     prefill_chunk: int = 64
+    budget: TokenBudget | None = None
     context_length: int = 4096
     batchable: bool = True
     fail_batch_steps: frozenset[int] = frozenset()
@@ -86,6 +90,7 @@ class _Row:
     prefilled: int = 0
     generated: int = 0
     parked: bool = False
+    preparing: bool = False  # admitted to the rows being prepared (with a token budget)
     matcher: StopStringMatcher | None = None
 
     def __post_init__(self) -> None:
@@ -119,6 +124,9 @@ class ScriptedEngine:
         self._first_token = False
         self.num_serial_steps = 0
         self.max_active_rows = 0
+        # With a token budget, each batch step's (decoding rows, prompt tokens being prepared
+        # after admission, prompt tokens processed): what the budget rules are checked against.
+        self.iterations: list[tuple[int, int, int]] = []
         self.call_log: list[str] = []
         self.on_call: Callable[[str], None] | None = None
         self._liveness = ALWAYS_UP
@@ -278,9 +286,12 @@ class ScriptedEngine:
         if n in self.script.fail_batch_steps:
             raise InjectedFault(f"injected failure of batch step {n}")
         events: list[RowEvent] = []
+        chunks = self._chunks(active)
         for row_id, row in active.items():
             if row.prefilled < row.prompt_len:
-                row.prefilled = min(row.prompt_len, row.prefilled + self.script.prefill_chunk)
+                if (chunk := chunks.get(row_id, 0)) == 0:
+                    continue  # waiting for the preparation budget
+                row.prefilled = min(row.prompt_len, row.prefilled + chunk)
                 events.append(RowProgress(row_id, row.prefilled, row.prompt_len))
                 continue
             self._first_token |= row.generated == 0
@@ -289,6 +300,29 @@ class ScriptedEngine:
             if _ends(event):
                 del self._rows[row_id]
         return events
+
+    def _chunks(self, active: dict[int, _Row]) -> dict[int, int]:
+        """Each prefilling row's prompt tokens this step: ``prefill_chunk`` each, or by the
+        token budget: rows join the prepared ones in order while the preparation budget holds,
+        and share the iteration budget's rest after one token per decoding row."""
+        prefilling = {k: r for k, r in active.items() if r.prefilled < r.prompt_len}
+        budget = self.script.budget
+        if budget is None:
+            return dict.fromkeys(prefilling, self.script.prefill_chunk)
+        left = {k: r.prompt_len - r.prefilled for k, r in prefilling.items()}
+        preparing = [k for k, r in prefilling.items() if r.preparing]
+        waiting = [k for k, r in prefilling.items() if not r.preparing]
+        joining = budget.prompts_to_prepare(
+            [left[k] for k in preparing], [left[k] for k in waiting]
+        )
+        for k in waiting[:joining]:
+            prefilling[k].preparing = True
+        preparing += waiting[:joining]
+        decoding = len(active) - len(prefilling)
+        chunk = budget.chunk(decoding, len(preparing))
+        chunks = {k: min(chunk, left[k]) for k in preparing}
+        self.iterations.append((decoding, sum(left[k] for k in preparing), sum(chunks.values())))
+        return chunks
 
     async def batch_remove(self, rows: list[int]) -> None:
         await self._enter("batch_remove", "batch")

@@ -154,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--shutdown-grace", type=float, default=10.0)
     serve.add_argument(
+        "--max-preparation-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens prefilled together (default: the device's, 1024 on CPU, 16384 GPU)",
+    )
+    serve.add_argument(
+        "--max-iteration-tokens",
+        type=int,
+        default=None,
+        help="tokens a batch step processes: one per decoding row, the rest prompt chunks "
+        "(default: the device's, 256 on CPU, 4096 on GPU)",
+    )
+    serve.add_argument(
         "--engine-restarts",
         type=int,
         default=5,
@@ -264,6 +277,8 @@ def _serve(args: argparse.Namespace) -> int:
             shutdown_grace_s=args.shutdown_grace,
             steps_per_call=args.steps_per_call,
             max_engine_restarts=args.engine_restarts,
+            max_preparation_tokens=args.max_preparation_tokens,
+            max_iteration_tokens=args.max_iteration_tokens,
         ),
         http=HttpSettings(
             api_key=args.api_key,

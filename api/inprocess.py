@@ -267,6 +267,12 @@ def open_supervised_port(
     )
     chunk = DEFAULT_PREFILL_CHUNK
     preparer: RequestPreparer | None = None
+    load_options = {
+        "device": device,
+        "prompt_cache_bytes": prompt_cache_bytes,
+        "max_preparation_tokens": config.max_preparation_tokens,
+        "max_iteration_tokens": config.max_iteration_tokens,
+    }
 
     @asynccontextmanager
     async def start() -> AsyncIterator[tuple[Transport, EngineStarted]]:
@@ -275,9 +281,7 @@ def open_supervised_port(
             if preparer is None:  # the tokenizer stays here, for every engine the child runs
                 loaded = await trio.to_thread.run_sync(load_tokenizer_only, model)
                 preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
-            build = partial(
-                Engine.load, model, device=device, prompt_cache_bytes=prompt_cache_bytes
-            )
+            build = partial(Engine.load, model, **load_options)
             async with open_process_transport(
                 build, max_batch=config.max_batch, prefill_chunk=chunk
             ) as (transport, reply):
@@ -285,11 +289,7 @@ def open_supervised_port(
                 yield transport, reply.value
         else:
             async with open_thread_transport(
-                model,
-                device=device,
-                max_batch=config.max_batch,
-                prompt_cache_bytes=prompt_cache_bytes,
-                prefill_chunk=chunk,
+                model, max_batch=config.max_batch, prefill_chunk=chunk, **load_options
             ) as (transport, started):
                 if preparer is None:
                     preparer = transport.core.engine.preparer

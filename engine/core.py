@@ -86,7 +86,10 @@ class EngineCore:
         if self._batch is not None:
             self._batch.close()
         self._batch = BatchEngine(
-            self.engine, max_batch=self.max_batch, prefill_chunk=self.prefill_chunk
+            self.engine,
+            max_batch=self.max_batch,
+            prefill_chunk=self.prefill_chunk,
+            budget=self.engine.token_budget,
         )
         self.kv_bytes = 0
         self._steps_counted = 0

@@ -8,6 +8,7 @@ finish reasons and stats.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
@@ -34,7 +35,10 @@ from .sampling import (
     with_injected_fault,
 )
 from .sampling_defaults import SamplingDefaults
+from .schedule import TokenBudget, default_budget
 from .text import byte_level_table
+
+logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -149,10 +153,13 @@ class Engine:
         *,
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
         prompt_cache_bytes: int | None = 0,
+        token_budget: TokenBudget | None = None,
     ):
         """``prompt_cache_bytes``: the prompt cache's budget; 0 turns it off, None picks
-        :func:`default_budget_bytes`."""
+        :func:`default_budget_bytes`. ``token_budget``: how much prompt the batch prefills a
+        step (``engine/schedule.py``; None: the batch engine's fixed chunks)."""
         self.loaded = loaded
+        self.token_budget = token_budget
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.prefill_step_size = prefill_step_size
@@ -164,11 +171,28 @@ class Engine:
 
     @classmethod
     def load(
-        cls, spec: str | None = None, *, device: str = "auto", prompt_cache_bytes: int | None = 0
+        cls,
+        spec: str | None = None,
+        *,
+        device: str = "auto",
+        prompt_cache_bytes: int | None = 0,
+        max_preparation_tokens: int | None = None,
+        max_iteration_tokens: int | None = None,
     ) -> Engine:
-        """Load ``spec`` (None: the embedded default model) on this thread."""
+        """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
+        budget is the device's (``default_budget``), with the two limits given overriding it."""
         loaded = load_model(spec, device=device)  # type: ignore[arg-type]
-        return cls(loaded, prompt_cache_bytes=prompt_cache_bytes)
+        budget = default_budget(
+            loaded.device, preparation=max_preparation_tokens, iteration=max_iteration_tokens
+        )
+        logger.info(
+            "token budget: %d prompt tokens prepared at once, %d tokens an iteration, "
+            "chunks of at most %d",
+            budget.max_preparation_tokens,
+            budget.max_iteration_tokens,
+            budget.max_chunk,
+        )
+        return cls(loaded, prompt_cache_bytes=prompt_cache_bytes, token_budget=budget)
 
     @property
     def model_id(self) -> str:

@@ -14,6 +14,7 @@ from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowFailed, RowOutput, RowProgress
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.sampling import make_row_processors, make_row_sampler
+from mlx_trio.engine.schedule import TokenBudget
 
 TINY_VOCAB = 263  # tests/tiny.py: 256 bytes, 4 merges, 3 special tokens
 
@@ -249,6 +250,24 @@ def test_batch_rows_added_and_removed_mid_flight_match_solo_runs(tiny_engine):
     for i in (0, 2, 3, 4):
         assert got[rows[i]] == expected[i], f"row {i} differs from its solo run"
     assert rows[1] not in got
+    batch.close()
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [TokenBudget(24, 12, 8), TokenBudget(1, 6, 4), TokenBudget(4096, 4096, 64)],
+    ids=["tight", "one prompt at a time, tiny chunks", "everything at once"],
+)
+def test_greedy_rows_under_any_token_budget_match_solo_runs(tiny_engine, budget):
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS]
+    batch = BatchEngine(tiny_engine, max_batch=8, prefill_chunk=8, budget=budget)
+    rows = [batch.add(tiny_engine.prepare(p, params)) for p in PROMPTS[:2]]
+    batch.step()
+    batch.step()  # two rows decode while the rest are prepared beside them
+    rows += [batch.add(tiny_engine.prepare(p, params)) for p in PROMPTS[2:]]
+    got = run_batch(batch)
+    assert [got[row] for row in rows] == expected
     batch.close()
 
 

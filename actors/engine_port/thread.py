@@ -280,21 +280,18 @@ class ThreadedEngine(CorePort):
 async def open_thread_transport(
     spec: str | None,
     *,
-    device: str,
     max_batch: int,
-    prompt_cache_bytes: int | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    **load_options: Any,
 ) -> AsyncIterator[tuple[ThreadTransport, EngineStarted]]:
-    """An engine thread of its own with a model loaded on it and warmed up, as
-    ``ThreadedEngine.load`` does, and the transport to its core; a supervisor starts one of
-    these for each engine it runs. On exit the thread is stopped, or left behind if its
-    transport was killed (wedged)."""
+    """An engine thread of its own with a model loaded on it (``Engine.load(spec,
+    **load_options)``) and warmed up, as ``ThreadedEngine.load`` does, and the transport to its
+    core; a supervisor starts one of these for each engine it runs. On exit the thread is
+    stopped, or left behind if its transport was killed (wedged)."""
     thread = EngineThread()
     thread.__enter__()
     try:
-        engine = await thread.run(
-            lambda: Engine.load(spec, device=device, prompt_cache_bytes=prompt_cache_bytes)
-        )
+        engine = await thread.run(lambda: Engine.load(spec, **load_options))
         core = EngineCore(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
         transport = ThreadTransport(thread, core)
         report = await thread.run(
