@@ -34,7 +34,7 @@ from typing import assert_never
 import trio
 
 from ..engine.errors import EngineUnavailableError
-from ..engine.outputs import RowFailed, RowProgress
+from ..engine.outputs import RowFailed, RowOutput, RowProgress
 from ..engine.params import PreparedRequest
 from .arbiter import (
     Acquire,
@@ -47,6 +47,7 @@ from .arbiter import (
 from .channels import offer
 from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox, is_final
 from .port import EnginePort
+from .throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class _Member:
     row: int
     parked: bool = False
     backlog: deque[LaneEvent] = field(default_factory=deque)
+    prefilled: int = 0  # prompt tokens done, as its last progress event said
 
     @property
     def is_delivering(self) -> bool:
@@ -152,6 +154,7 @@ class BatchGroup:
         self._parks = 0
         # The engine generation of the rows in the batch, of the last fault and of the last
         # stuck step: a restarted engine starts with a clean record, and knows none of the rows.
+        self.throughput = ThroughputMeter()
         self._rows_generation = 0
         self._fault_generation = 0
         self._stuck_generation: int | None = None
@@ -381,11 +384,21 @@ class BatchGroup:
         self._consecutive_faults = 0
         self._step_s = _moving_average(self._step_s, (trio.current_time() - started) / steps)
         by_row = {m.row: k for k, m in self._members.items()}
+        prefilled = decoded = 0
         for event in events:
             key = by_row.get(event.row)
             # A row may have two events (progress, then tokens); the first may have ended it.
-            if key is not None and key in self._members:
-                await self._dispatch(key, event)
+            if key is None or key not in self._members:
+                continue
+            match event:
+                case RowProgress(done=done):
+                    member = self._members[key]
+                    prefilled += max(0, done - member.prefilled)
+                    member.prefilled = done
+                case RowOutput(delta=delta):
+                    decoded += len(delta.token_ids)
+            await self._dispatch(key, event)
+        self.throughput.record(prefilled, decoded)
 
     async def _fail_all(self, make_event: Callable[[int], LaneEvent]) -> None:
         """End every member's row with ``make_event(row)``, then rebuild the batch. An engine

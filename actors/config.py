@@ -77,3 +77,9 @@ class RuntimeStatistics:
     is_healthy: bool
     is_closed: bool
     engine: EngineLiveness = ALWAYS_UP  # up, restarting or down; restarts and the last cause
+    # Prompt tokens prefilled and tokens decoded by both lanes, and their rates over the last
+    # ten seconds (``actors/throughput.py``).
+    prefilled_tokens: int = 0
+    decoded_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0

@@ -75,11 +75,14 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Timings:
-    """Seconds spent queued (admission and lane), to first token, and decoding."""
+    """Seconds spent queued (admission and lane), to the first token (from submission), and
+    decoding; ``prefill_s``: from reaching its lane to its first token (waiting to be prepared,
+    and prefilling)."""
 
     queued_s: float
     ttft_s: float | None
     decode_s: float
+    prefill_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

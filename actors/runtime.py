@@ -239,12 +239,18 @@ class Runtime:
         outcome = session.outcome
         assert outcome is not None
         usage = outcome.usage if isinstance(outcome, Completed | Cancelled) else None
+        timings = ""
+        if isinstance(outcome, Completed):
+            t = outcome.timings
+            timings = f" queued={t.queued_s:.3f}s prefill={_seconds(t.prefill_s)}"
+            timings += f" decode={t.decode_s:.3f}s"
         logger.info(
-            "session %s lane=%s %s completion_tokens=%s",
+            "session %s lane=%s %s completion_tokens=%s%s",
             session.id,
             session.lane,
             describe(outcome),
             usage.completion_tokens if usage else "-",
+            timings,
         )
 
     def session(self, session_id: str) -> Session | None:
@@ -291,6 +297,8 @@ class Runtime:
         mode = "draining" if arbiter.draining else (holder or "idle")
         cancelled = {r: self._cancelled[r] for r in CANCEL_REASONS}
         failed = dict(self._failed)
+        batch_rate = self.batch_group.throughput.snapshot()
+        serial_rate = self.serial.throughput.snapshot()
         return RuntimeStatistics(
             lane_mode=mode,
             live_sessions=gate_stats.live,
@@ -312,6 +320,10 @@ class Runtime:
             is_healthy=self.is_healthy,
             is_closed=self._closed,
             engine=self.engine.liveness(),
+            prefilled_tokens=batch_rate.prefilled_tokens + serial_rate.prefilled_tokens,
+            decoded_tokens=batch_rate.decoded_tokens + serial_rate.decoded_tokens,
+            prefill_tokens_per_s=batch_rate.prefill_tokens_per_s + serial_rate.prefill_tokens_per_s,
+            decode_tokens_per_s=batch_rate.decode_tokens_per_s + serial_rate.decode_tokens_per_s,
         )
 
     async def shutdown(self, grace_s: float | None = None) -> None:
@@ -327,6 +339,10 @@ class Runtime:
         # The lanes drop the departed sessions' rows at their next step, then go idle.
         with trio.move_on_after(self.config.step_timeout_s):
             await self.run_when_idle(_nothing)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}s"
 
 
 async def _nothing() -> None:

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import trio
 
-from ..engine.outputs import RowFailed
+from ..engine.outputs import RowEvent, RowFailed, RowOutput, RowProgress
 from ..engine.params import PreparedRequest
 from .arbiter import ArbiterMessage, Lease, ReleaseLease
 from .lanes import Abandoned, LaneEvent, SessionInbox, is_final
 from .port import EnginePort
+from .throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class SerialExecutor:
         self._faults = 0
         self._stuck = 0
         self._stuck_generation: int | None = None  # the engine generation of the last one
+        self.throughput = ThroughputMeter()
+        self._prefilled = 0  # the current run's prompt tokens done
 
     def statistics(self) -> SerialStatistics:
         is_stuck = self._stuck_generation == self.engine.liveness().generation
@@ -86,6 +89,7 @@ class SerialExecutor:
             await self._wait_for_a_restarting_engine(events)
             if events.receiver_left:
                 return
+            self._prefilled = 0
             await self.engine.serial_start(job.request)
             started = True
             while not finished and not events.receiver_left:
@@ -97,6 +101,7 @@ class SerialExecutor:
                     logger.error("serial step exceeded the %.1f s watchdog", self.step_timeout_s)
                     await _send_quietly(events, _stuck_event(self.step_timeout_s))
                     return
+                self._record(step)
                 for event in step:
                     finished = finished or is_final(event)
                     await events.send(event)
@@ -116,6 +121,17 @@ class SerialExecutor:
                     except Exception:  # the engine is gone (its process died, say)
                         logger.exception("ending the serial run failed too")
             events.close()
+
+    def _record(self, step: list[RowEvent]) -> None:
+        prefilled = decoded = 0
+        for event in step:
+            match event:
+                case RowProgress(done=done):
+                    prefilled += max(0, done - self._prefilled)
+                    self._prefilled = done
+                case RowOutput(delta=delta):
+                    decoded += len(delta.token_ids)
+        self.throughput.record(prefilled, decoded)
 
     async def _wait_for_a_restarting_engine(self, events: SessionInbox) -> None:
         """A run does not start on an engine that its supervisor is restarting: it waits (the

@@ -262,6 +262,7 @@ class Session:
             queued_s=started - self._created_at,
             ttft_s=None if first is None else first - self._created_at,
             decode_s=0.0 if first is None or last is None else last - first,
+            prefill_s=None if first is None else first - started,
         )
 
 

@@ -95,15 +95,24 @@ class Exchange:
         """The request's one log line: its status, each choice's outcome, usage and timings."""
         done = [o for o in self.outcomes if o is not None]
         usage = self.usage(of=(Completed, Cancelled))
-        ttfts = [o.timings.ttft_s for o in done if isinstance(o, Completed) and o.timings.ttft_s]
+        completed = [o.timings for o in done if isinstance(o, Completed)]
+        first = min(completed, key=lambda t: t.ttft_s or float("inf"), default=None)
         summary = ",".join(describe(o) for o in done)
         logger.info(
-            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.3fs",
+            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
+            "queued=%s prefill=%s decode=%s total=%.3fs",
             self.request_id,
             status,
             summary,
             usage.prompt_tokens,
             usage.completion_tokens,
-            f"{min(ttfts):.3f}s" if ttfts else "-",
+            _seconds(first and first.ttft_s),
+            _seconds(first and first.queued_s),
+            _seconds(first and first.prefill_s),
+            _seconds(first and first.decode_s),
             time.perf_counter() - self.started,
         )
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}s"

@@ -27,6 +27,24 @@ class _RuntimeCollector(Collector):
         stats = self._stats()
         if stats is None:
             return
+        for name, doc, value in (
+            ("mlx_trio_prefilled_tokens", "prompt tokens prefilled", stats.prefilled_tokens),
+            ("mlx_trio_decoded_tokens", "tokens decoded", stats.decoded_tokens),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, rate in (
+            (
+                "mlx_trio_prefill_tokens_per_second",
+                "prompt tokens prefilled a second, over the last 10 s",
+                stats.prefill_tokens_per_s,
+            ),
+            (
+                "mlx_trio_decode_tokens_per_second",
+                "tokens decoded a second, over the last 10 s",
+                stats.decode_tokens_per_s,
+            ),
+        ):
+            yield GaugeMetricFamily(name, doc, value=rate)
         engine = stats.engine
         yield CounterMetricFamily(
             "mlx_trio_engine_restarts", "engine restarts by its supervisor", value=engine.restarts

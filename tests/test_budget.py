@@ -117,3 +117,22 @@ async def test_cancelling_a_row_mid_prefill_frees_its_place_at_the_next_iteratio
         assert engine.iterations[in_flight][1] == len(long_prompt(1, 900))
         outcome = await second.result()
     assert isinstance(outcome, Completed)
+
+
+async def test_the_runtime_reports_tokens_prefilled_and_decoded_and_each_prefill_time(
+    autojump_clock,
+):
+    engine = ScriptedEngine(Script(step_s=0.01, budget=BUDGET))
+    async with open_runtime(engine=engine, max_batch=4) as rt:
+        request = GenerationRequest(long_prompt(0), SamplingParams(max_tokens=10))
+        outcome = (await rt.collect(request)).outcome
+        stats = rt.statistics()
+        assert (stats.prefilled_tokens, stats.decoded_tokens) == (len(long_prompt(0)), 10)
+        assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+        assert isinstance(outcome, Completed)
+        timings = outcome.timings
+        assert timings.prefill_s is not None and timings.prefill_s >= 4 * 0.01  # 4 chunks
+        assert timings.queued_s + timings.prefill_s == pytest.approx(timings.ttft_s)
+        await trio.sleep(11)  # idle for longer than the rates' window
+        stats = rt.statistics()
+        assert stats.decode_tokens_per_s == 0 and stats.decoded_tokens == 10
