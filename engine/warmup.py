@@ -33,6 +33,7 @@ import mlx.core as mx
 from .batch import BatchEngine
 from .generate import Engine
 from .params import PreparedRequest, SamplingParams
+from .schedule import MIN_CHUNK, TokenBudget
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,12 @@ def batch_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-def plan(*, max_batch: int, prefill_chunk: int) -> list[tuple[BatchLane, int, int, int]]:
-    """The batch runs of a GPU warm-up: (lane, rows, prompt tokens, new tokens)."""
+def plan(
+    *, max_batch: int, prefill_chunk: int, budget: TokenBudget | None = None
+) -> list[tuple[BatchLane, int, int, int]]:
+    """The batch runs of a GPU warm-up: (lane, rows, prompt tokens, new tokens). With a token
+    budget, also a burst of long prompts as the budget prepares them: as many prompts of its
+    largest chunk as its preparation budget holds, in chunks its iteration budget shares."""
     # A group of PREFILL_GROUP rows enters every second step (one step prefills it, the next
     # moves it to decoding): enough new tokens that the first rows are still decoding when the
     # last ones start, so all of them decode together at the top.
@@ -96,6 +101,9 @@ def plan(*, max_batch: int, prefill_chunk: int) -> list[tuple[BatchLane, int, in
     for length in sorted({QMM_TILES[0] + 1, QMM_TILES[1] + 1, prefill_chunk + 1}):
         runs.append(("prefill", 1, length, 2))
     runs.append(("prefill", min(PREFILL_GROUP, max_batch), prefill_chunk + 1, 2))
+    if budget is not None:
+        burst = max(1, min(max_batch, budget.max_preparation_tokens // budget.max_chunk))
+        runs.append(("prefill", burst, budget.max_chunk + 1, 2))
     return runs
 
 
@@ -120,10 +128,11 @@ def warm_up(
     start = time.perf_counter()
     try:
         shapes.append(_serial(engine, SHORT_PROMPT, SERIAL_NEW_TOKENS))
-        batch = BatchEngine(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        budget = getattr(engine, "token_budget", None)
+        batch = BatchEngine(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget)
         try:
             for lane, rows, prompt_tokens, new_tokens in plan(
-                max_batch=max_batch, prefill_chunk=prefill_chunk
+                max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget
             ):
                 shape = _batch(batch, engine, lane, rows, prompt_tokens, new_tokens, prefill_chunk)
                 shapes.append(shape)
@@ -169,8 +178,9 @@ def _batch(
     for row in range(rows):
         prompt = _prompt(engine, prompt_tokens, row + 1)
         batch.add(PreparedRequest(prompt_tokens=prompt, params=params))
-    # Each step decodes every generating row once and prefills one chunk of one group.
-    chunks = math.ceil(prompt_tokens / prefill_chunk) + 1
+    # Each step decodes every generating row once and prefills one chunk of one group (with a
+    # budget, chunks may be as small as MIN_CHUNK).
+    chunks = math.ceil(prompt_tokens / min(prefill_chunk, MIN_CHUNK)) + 1
     max_steps = 2 * math.ceil(rows / PREFILL_GROUP) * chunks + new_tokens + 8
     for _ in range(max_steps):
         if batch.num_rows == 0:

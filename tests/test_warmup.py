@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.schedule import TokenBudget
 from mlx_trio.engine.warmup import warm_up
 from tests.tiny import make_loaded
 
@@ -25,3 +26,11 @@ def test_warm_up_returns_at_once_on_cpu():
     engine = Engine(make_loaded())
     report = warm_up(engine, max_batch=8, prefill_chunk=32)
     assert report.shapes == () and report.device == "cpu"
+
+
+def test_warm_up_runs_a_burst_of_long_prompts_as_the_token_budget_prepares_them():
+    budget = TokenBudget(max_preparation_tokens=64, max_iteration_tokens=32, max_chunk=16)
+    engine = Engine(make_loaded(), token_budget=budget)
+    report = warm_up(engine, max_batch=8, prefill_chunk=32, force=True)
+    burst = [s for s in report.shapes if s.lane == "prefill" and s.prompt_tokens == 17]
+    assert 4 in [s.rows for s in burst]  # 64 // 16 prompts of the largest chunk, and one more
