@@ -33,6 +33,7 @@ from .sampling import Sampler, make_row_sampler, with_injected_fault
 from .solo import SoloRow
 
 DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_BATCH = 8
 
 
 class BatchEngine:
@@ -43,7 +44,7 @@ class BatchEngine:
         engine: Engine,
         *,
         max_batch: int = 32,
-        prefill_batch: int = 8,
+        prefill_batch: int = DEFAULT_PREFILL_BATCH,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         sampler_factory: Callable[[SamplingParams], Sampler | None] = make_row_sampler,
         solo: bool = True,
@@ -96,6 +97,10 @@ class BatchEngine:
         """Bytes held by the KV caches of every row, parked ones included."""
         parked = sum(c.nbytes for row in self._rows.values() if row.parked for c in row.parked[0])
         return self._batch.kv_bytes + parked + self._solo.kv_bytes
+
+    def row_sizes(self) -> list[tuple[int, int]]:
+        """Each row's prompt tokens and ``max_tokens``: what its KV can grow to."""
+        return [(r.num_prompt_tokens, r.decoder.params.max_tokens) for r in self._rows.values()]
 
     def add(self, request: PreparedRequest) -> int:
         """Queue a row; it starts prefilling at the next step. Returns its row id."""

@@ -26,13 +26,14 @@ import queue
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
 import outcome
 import trio
 
 from ...engine.batch import DEFAULT_PREFILL_CHUNK
+from ...engine.budget import MemoryLimit
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply, answer
 from ...engine.core import EngineCore, clear_thread_streams
 from ...engine.generate import Engine
@@ -211,7 +212,7 @@ class ThreadedEngine(CorePort):
         core = EngineCore(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
         super().__init__(
             ThreadTransport(thread, core),
-            EngineStarted(engine.model_id, engine.sampling_defaults),
+            EngineStarted.of(core),
             engine.preparer,
             max_batch=max_batch,
             prefill_chunk=prefill_chunk,
@@ -226,11 +227,18 @@ class ThreadedEngine(CorePort):
         device: str,
         max_batch: int,
         prompt_cache_bytes: int | None = None,
+        memory_limit: MemoryLimit | None = None,
     ) -> ThreadedEngine:
         """Load on the engine thread and warm up; ``prompt_cache_bytes`` None picks a default,
-        0 is off. If cancelled, the load or warm-up still completes on the thread, unused."""
+        0 is off; ``memory_limit`` None: no memory budget. If cancelled, the load or warm-up
+        still completes on the thread, unused."""
         engine = await thread.run(
-            lambda: Engine.load(spec, device=device, prompt_cache_bytes=prompt_cache_bytes)
+            lambda: Engine.load(
+                spec,
+                device=device,
+                prompt_cache_bytes=prompt_cache_bytes,
+                memory_limit=memory_limit,
+            )
         )
         port = cls(engine, thread, max_batch=max_batch)
         await port.batch_reset()
@@ -238,5 +246,5 @@ class ThreadedEngine(CorePort):
         # healthy (GPU; returns at once on CPU).
         chunk = port.prefill_chunk
         report = await thread.run(lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=chunk))
-        port._started = EngineStarted(engine.model_id, engine.sampling_defaults, report)
+        port._started = replace(port._started, warmup=report)
         return port
