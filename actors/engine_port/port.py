@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
+from ...engine.budget import MemoryBudget, MemoryUsage
 from ...engine.calls import (
     BatchAdd,
     BatchPark,
@@ -104,6 +105,13 @@ class CorePort:
     @property
     def kv_bytes(self) -> int:
         return self._transport.state.kv_bytes
+
+    @property
+    def memory_budget(self) -> MemoryBudget | None:
+        return self._started.memory
+
+    def memory_usage(self) -> MemoryUsage | None:
+        return self._transport.state.memory
 
     @property
     def num_rows(self) -> int:
