@@ -40,6 +40,7 @@ from ..actors.messages import (
 from ..actors.port import EnginePort
 from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
+from ..engine.budget import MemoryLimit, default_limit
 from ..engine.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ async def open_runtime(
     engine: EnginePort | None = None,
     device: Literal["auto", "cpu", "gpu"] = "auto",
     prompt_cache_bytes: int | None = None,
+    memory_limit: str | int | float | MemoryLimit | None = None,
     engine_process: bool | None = None,
     config: RuntimeConfig | None = None,
     **config_fields: object,
@@ -221,7 +223,11 @@ async def open_runtime(
     """Start a runtime on ``model`` (None: the embedded default) or on a given ``engine``.
 
     ``prompt_cache_bytes``: the prompt cache's budget (None: an eighth of memory, at most
-    8 GiB; 0: off). ``engine_process``: run the model in a child process of its own
+    8 GiB; 0: off). ``memory_limit``: the memory budget (``"6GB"``, ``"512MiB"``, bytes, or a
+    share of the device's memory such as ``0.3``; None: 0.9 of a GPU's, 0.5 of the CPU's):
+    MLX's limits are set to it, and admission counts each request's projected KV bytes
+    against what the weights and activations leave of it (design/015); a given ``engine``
+    has its own. ``engine_process``: run the model in a child process of its own
     (``ProcessEngine``) instead of on a thread beside the event loop (``ThreadedEngine``);
     None picks the process on a GPU, where the two threads' shared GIL costs the most
     (design/009). Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
@@ -237,8 +243,10 @@ async def open_runtime(
     from ..actors.engine_port.thread import EngineThread, ThreadedEngine
     from ..engine.loader import runs_on_gpu
 
+    on_gpu = runs_on_gpu(device)
     if engine_process is None:
-        engine_process = runs_on_gpu(device)
+        engine_process = on_gpu
+    limit = _memory_limit(memory_limit, on_gpu=on_gpu)
     if engine_process:
         async with (
             ProcessEngine.load(
@@ -246,6 +254,7 @@ async def open_runtime(
                 device=device,
                 max_batch=config.max_batch,
                 prompt_cache_bytes=prompt_cache_bytes,
+                memory_limit=limit,
             ) as port,
             open_runtime_actors(port, config) as runtime,
         ):
@@ -259,9 +268,17 @@ async def open_runtime(
             device=device,
             max_batch=config.max_batch,
             prompt_cache_bytes=prompt_cache_bytes,
+            memory_limit=limit,
         )
         async with open_runtime_actors(port, config) as runtime:
             yield RuntimeHandle(runtime)
+
+
+def _memory_limit(given: str | int | float | MemoryLimit | None, *, on_gpu: bool) -> MemoryLimit:
+    """``given`` parsed (raises ``InvalidRequestError``), or the device's default."""
+    if given is None:
+        return default_limit(on_gpu)
+    return given if isinstance(given, MemoryLimit) else MemoryLimit.parse(given)
 
 
 def freeze_startup_heap() -> int:
