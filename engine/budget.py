@@ -108,8 +108,9 @@ class MemoryBudget:
     ``kv_bytes_per_token``: the KV one token adds to a row, every layer's cache counted as if it
     kept every token (a rotating window too: conservative). ``kv_bytes_per_row``: what a row's
     caches hold whatever its length (a recurrent layer's state; 0 for attention alone).
-    ``kv_step``: a row's KV is allocated this many tokens at a time (mlx-lm's 256), so a
-    projection is rounded up to it: a 70-token request holds 256 tokens' worth.
+    ``kv_step``: a row's KV buffer grows this many tokens at a time (mlx-lm's 256) from
+    wherever it starts (a prompt cache's hit, a row taken out of a batch), so it may hold up to
+    ``kv_step - 1`` slots past its tokens: a projection counts them.
     ``cache_limit``: MLX's buffer cache may keep this much freed memory for reuse.
     ``device``: the device's memory that a fractional limit was taken of.
     """
@@ -126,8 +127,8 @@ class MemoryBudget:
 
     def projected_bytes(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most KV a request can come to hold: its prompt and ``max_tokens`` new tokens,
-        in whole allocation steps."""
-        tokens = -(-(num_prompt_tokens + max_tokens) // self.kv_step) * self.kv_step
+        and the slots its buffer's last allocation step may leave empty."""
+        tokens = num_prompt_tokens + max_tokens + self.kv_step - 1
         return self.kv_bytes_per_row + tokens * self.kv_bytes_per_token
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, *, prompt_param: str) -> int:
@@ -147,7 +148,7 @@ class MemoryBudget:
                 param=prompt_param,
             )
         tokens = (self.kv_pool - self.kv_bytes_per_row) // max(per_token, 1)
-        most = tokens // self.kv_step * self.kv_step - num_prompt_tokens
+        most = tokens - (self.kv_step - 1) - num_prompt_tokens
         raise MemoryBudgetExceededError(
             f"{num_prompt_tokens} prompt tokens and max_tokens {max_tokens} need up to "
             f"{format_bytes(projected)} of KV cache, more than this server's KV budget of "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import sys
 from collections import Counter
@@ -58,16 +59,22 @@ class ModelMemory:
 
 
 def measure_model(model: nn.Module, *, vocab_size: int | None = None) -> ModelMemory:
-    """Measure ``model``: its parameters' bytes, and its KV per token from a cache it makes,
-    fed one token and then a second (lazily: only shapes are read, nothing is computed)."""
+    """Measure ``model``: its parameters' bytes, and its KV from a cache it makes, fed one
+    token (lazily: only shapes are read, nothing is computed). A layer that caches keys and
+    values per token (a window too) counts its buffer's bytes over its slots; any other (a
+    recurrent state) counts toward every row whatever its length."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     caches = make_prompt_cache(model)
-    token = mx.array([[0]])
-    model(token, cache=caches)
-    one = _state_bytes(caches)
-    model(token, cache=caches)
-    two = _state_bytes(caches)
-    per_token = two - one
+    model(mx.array([[0]]), cache=caches)
+    per_token = 0.0
+    per_row = 0
+    for cache in caches:
+        slots = _slots(getattr(cache, "keys", None))
+        size = _cache_bytes(cache)
+        if slots:
+            per_token += size / slots
+        else:
+            per_row += size
     step = max((getattr(c, "step", 1) for c in caches), default=1)
     del caches
     args = getattr(model, "args", None)
@@ -78,8 +85,8 @@ def measure_model(model: nn.Module, *, vocab_size: int | None = None) -> ModelMe
     main = sizes.most_common(1)[0][0] if sizes else mx.float32
     return ModelMemory(
         weights=weights,
-        kv_bytes_per_token=per_token,
-        kv_bytes_per_row=max(0, one - per_token),
+        kv_bytes_per_token=math.ceil(per_token),
+        kv_bytes_per_row=per_row,
         kv_step=max(1, int(step)),
         activation_bytes=4 if main == mx.float32 else 2,
         hidden=_int_arg(args, "hidden_size"),
@@ -143,8 +150,8 @@ def plan_budget(
         serial_prefill_chunk=serial_prefill_chunk,
     )
     pool = total - model.weights - headroom
-    # At least one request of one KV step must fit, or nothing could ever be admitted.
-    least = model.kv_bytes_per_row + model.kv_step * model.kv_bytes_per_token
+    # At least a request of a KV step must fit, or nothing could ever be admitted.
+    least = model.kv_bytes_per_row + 2 * model.kv_step * model.kv_bytes_per_token
     if pool < least:
         raise InvalidRequestError(
             f"the memory limit ({limit}: {format_bytes(total)}) leaves no room for the KV cache "
@@ -244,13 +251,22 @@ def _load_libc() -> ctypes.CDLL | None:
 _libc = _load_libc()
 
 
-def _state_bytes(caches: list[object]) -> int:
-    return sum(
-        v.nbytes
-        for c in caches
-        for _, v in tree_flatten(getattr(c, "state", ()))
-        if isinstance(v, mx.array)
-    )
+def _slots(keys: object) -> int:
+    """Token slots of a layer's key buffer ``(rows, heads, slots, dim)``, plain or quantized
+    (a tuple of arrays); 0 for anything else."""
+    if isinstance(keys, list | tuple) and keys:
+        keys = keys[0]
+    if isinstance(keys, mx.array) and keys.ndim == 4:
+        return keys.shape[2]
+    return 0
+
+
+def _cache_bytes(cache: object) -> int:
+    try:
+        return int(cache.nbytes)  # type: ignore[attr-defined]
+    except (AttributeError, NotImplementedError):
+        state = getattr(cache, "state", ())
+        return sum(v.nbytes for _, v in tree_flatten(state) if isinstance(v, mx.array))
 
 
 def _int_arg(args: object, name: str) -> int | None:

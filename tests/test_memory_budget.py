@@ -213,7 +213,7 @@ def test_a_bad_memory_limit_is_refused_naming_it(given):
     assert refused.value.param == "memory_limit"
 
 
-def test_a_projection_counts_whole_allocation_steps():
+def test_a_projection_counts_the_slots_a_kv_step_may_leave_empty():
     budget = MemoryBudget(
         limit=0,
         device=0,
@@ -221,11 +221,11 @@ def test_a_projection_counts_whole_allocation_steps():
         headroom=0,
         kv_pool=1024 * 512,
         kv_bytes_per_token=512,
-        kv_bytes_per_row=0,
+        kv_bytes_per_row=100,
         kv_step=256,
         cache_limit=0,
     )
-    assert budget.projected_bytes(30, 40) == 256 * 512  # 70 tokens hold a step of 256
-    assert budget.projected_bytes(200, 57) == 512 * 512
-    with pytest.raises(MemoryBudgetExceededError, match="lower max_tokens to at most 994"):
+    assert budget.projected_bytes(30, 40) == 100 + (70 + 255) * 512
+    assert budget.check_fits(30, 738, prompt_param="messages") == 100 + 1023 * 512
+    with pytest.raises(MemoryBudgetExceededError, match="lower max_tokens to at most 738"):
         budget.check_fits(30, 2000, prompt_param="messages")
