@@ -188,9 +188,12 @@ def apply(core: EngineCore, call: EngineCall) -> object:
 
 
 def answer(core: EngineCore, call: EngineCall) -> Reply[Any]:
-    """Run one call on ``core``: its reply, an exception it raised included."""
+    """Run one call on ``core``: its reply, an exception it raised included; then let the core
+    tidy its memory (``EngineCore.tidy``)."""
     try:
         value = apply(core, call)
     except Exception as exc:
+        core.tidy()
         return Reply(None, exc, EngineState.of(core))
+    core.tidy()
     return Reply(value, None, EngineState.of(core))

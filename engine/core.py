@@ -8,22 +8,27 @@ or the engine process's main thread (``ProcessEngine``), each applying the port'
 
 Under a memory budget (the engine's ``memory_limit``) the core plans it for its batch's shape,
 sets it in MLX, and keeps the prompt cache within what the KV pool has left beside its rows
-(design/015-memory-budget.md).
+(design/015-memory-budget.md). After its rows leave, when it is left with none or at most every
+``TRIM_EVERY_S``, it gives the C allocator's free pages back (:meth:`EngineCore.tidy`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 from .batch import DEFAULT_PREFILL_BATCH, DEFAULT_PREFILL_CHUNK, BatchEngine
 from .budget import MemoryBudget, MemoryUsage
 from .generate import Engine, Generation
-from .memory import apply_budget, memory_usage, plan_budget
+from .memory import apply_budget, memory_usage, plan_budget, trim_allocator
 from .outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
 from .params import PreparedRequest
 from .sampling import repair_random_state
 
 SERIAL_ROW = 0
+# While rows come and go without the engine ever going idle, free pages are given back this
+# often (a trim took 26 ms on the CPU with 1.3 GB resident: 0.3% of the engine's time).
+TRIM_EVERY_S = 10.0
 
 
 class EngineCore:
@@ -45,6 +50,9 @@ class EngineCore:
         self.kv_bytes = 0
         self.batch_steps_run = 0  # batch steps run (a call may stop short of those asked)
         self._steps_counted = 0  # the current batch's steps_run, as of its last call
+        self._rows_seen = 0  # rows held after the last call, to see rows leave
+        self._rows_left = False  # rows left since the last trim
+        self._trimmed_at = time.monotonic()
         self.memory = plan_memory(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
         if self.memory is not None:
             apply_budget(self.memory)
@@ -64,6 +72,18 @@ class EngineCore:
     def memory_usage(self) -> MemoryUsage:
         """MLX's memory counts now."""
         return memory_usage()
+
+    def tidy(self) -> None:
+        """After each call: once rows have left, give the C allocator's free pages back, when
+        no row is left or ``TRIM_EVERY_S`` after the last time (``trim_allocator``)."""
+        rows = self.num_rows
+        self._rows_left |= rows < self._rows_seen
+        self._rows_seen = rows
+        now = time.monotonic()
+        if self._rows_left and (rows == 0 or now - self._trimmed_at >= TRIM_EVERY_S):
+            trim_allocator()
+            self._rows_left = False
+            self._trimmed_at = now
 
     # -- the memory budget ------------------------------------------------------------------
 

@@ -215,11 +215,12 @@ def device_memory_bytes(on_gpu: bool) -> int:
     return min([physical, *limits])
 
 
-def release_free_memory() -> None:
-    """Give freed memory back: MLX's buffer cache, and on Linux the C allocator's free pages
-    (MLX's CPU arrays come from ``malloc``; glibc keeps freed pages in its arenas, measured
-    at a third again of what MLX held after 256 clients)."""
-    mx.clear_cache()
+def trim_allocator() -> None:
+    """Give the C allocator's free pages back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere). MLX's CPU arrays come from ``malloc``: as KV buffers and activations of many
+    sizes come and go, glibc's heap keeps the freed pages between live blocks. Measured on the
+    default model on CPU (design/015): resident memory 1,283 MB after 64 requests with nothing
+    cached, 807 MB after a trim that took 26 ms."""
     if _libc is not None:
         _libc.malloc_trim(0)
 
