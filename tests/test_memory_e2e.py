@@ -5,7 +5,6 @@ clients stays within 1.3x of what the budget counts."""
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,10 +37,7 @@ def server() -> Iterator[ServerThread]:
         runtime=RuntimeConfig(max_batch=8, max_live=32, max_queued=64),
     )
     with ServerThread(options) as running:
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{running.url}/health").status_code != 200:
-            assert time.monotonic() < deadline, "the model did not load"
-            time.sleep(0.1)
+        running.wait_healthy()
         yield running
 
 
