@@ -19,6 +19,10 @@ keep the loop's CPU time, measured call by call, near ``LOOP_SHARE`` of the call
 leave and park between calls; while a row waits to join, calls are single steps. A row's
 first token ends its call; the other rows then keep that short call's tokens for the next
 call (``BatchEngine.step``), so their tokens still come in events of a whole call's steps.
+
+A step that fails to allocate memory fails its rows like any failed step, and the group then
+halves the rows it admits (``batch_limit``); each ``RECOVER_AFTER_CALLS`` engine calls that
+succeed give one row back, up to ``max_batch`` (design/015-memory-budget.md).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import assert_never
 
 import trio
 
+from ..engine.budget import is_out_of_memory
 from ..engine.errors import EngineUnavailableError
 from ..engine.outputs import RowFailed, RowOutput, RowProgress
 from ..engine.params import PreparedRequest
@@ -61,6 +66,9 @@ MAX_STEPS_PER_CALL = 16
 ARRIVAL_POLL_S = 0.0005
 # How often rows waiting to join look again whether a restarting engine is back.
 ENGINE_POLL_S = 0.05
+# After a failed allocation halved the batch, this many engine calls that succeed give one row
+# back: additive increase, multiplicative decrease, as TCP's congestion window does.
+RECOVER_AFTER_CALLS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +119,8 @@ class BatchStatistics:
     parks: int
     holds_lease: bool
     draining: bool
+    batch_limit: int  # rows admitted at most now: max_batch, less after running out of memory
+    out_of_memory: int  # engine calls that failed to allocate memory
 
 
 class BatchGroup:
@@ -131,6 +141,9 @@ class BatchGroup:
         self.engine = engine
         self._rows_on_their_way = rows_on_their_way
         self.max_batch = max_batch
+        self.batch_limit = max_batch
+        self._calls_since_lowered = 0
+        self._out_of_memory = 0
         self.admission_window_s = admission_window_s
         self.fixed_steps_per_call = steps_per_call
         self._step_s: float | None = None  # a moving average of one step's time
@@ -177,6 +190,8 @@ class BatchGroup:
             parks=self._parks,
             holds_lease=self._lease is not None,
             draining=self._draining,
+            batch_limit=self.batch_limit,
+            out_of_memory=self._out_of_memory,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -216,8 +231,34 @@ class BatchGroup:
         self._faults += 1
         self._count_consecutive_fault()
         logger.error("%s failed; failing %d row(s)", what, len(self._members), exc_info=exc)
+        if is_out_of_memory(exc):
+            self._lower_batch_limit()
         message = f"engine error: {type(exc).__name__}: {exc}"
         await self._fail_all(lambda row: RowFailed(row, message))
+
+    def _lower_batch_limit(self) -> None:
+        """After a failed allocation: admit at most half the rows that were in the batch."""
+        self._out_of_memory += 1
+        rows = max(1, min(self.batch_limit, len(self._members)))
+        self.batch_limit = max(1, rows // 2)
+        self._calls_since_lowered = 0
+        logger.warning(
+            "the engine ran out of memory with %d row(s); the batch admits at most %d until "
+            "steps succeed again",
+            rows,
+            self.batch_limit,
+        )
+
+    def _raise_batch_limit(self) -> None:
+        """After an engine call that succeeded: one row back every ``RECOVER_AFTER_CALLS``."""
+        if self.batch_limit >= self.max_batch:
+            return
+        self._calls_since_lowered += 1
+        if self._calls_since_lowered >= RECOVER_AFTER_CALLS:
+            self._calls_since_lowered = 0
+            self.batch_limit += 1
+            if self.batch_limit == self.max_batch:
+                logger.info("the batch admits up to max_batch (%d) rows again", self.max_batch)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -256,7 +297,7 @@ class BatchGroup:
         return (
             bool(self._pending)
             and not self._draining
-            and len(self._members) < self.max_batch
+            and len(self._members) < self.batch_limit
             and self.engine.liveness().is_up
         )
 
@@ -316,7 +357,7 @@ class BatchGroup:
     async def _admit(self) -> None:
         """Add the waiting rows that fit, in one engine call."""
         adds: list[AddRow] = []
-        while self._can_admit() and len(self._members) + len(adds) < self.max_batch:
+        while self._can_admit() and len(self._members) + len(adds) < self.batch_limit:
             add = self._pending.popleft()
             if not add.events.receiver_left:
                 adds.append(add)
@@ -382,6 +423,7 @@ class BatchGroup:
             await self._fail_all(lambda _row: Abandoned(message))
             return
         self._consecutive_faults = 0
+        self._raise_batch_limit()
         self._step_s = _moving_average(self._step_s, (trio.current_time() - started) / steps)
         by_row = {m.row: k for k, m in self._members.items()}
         prefilled = decoded = 0

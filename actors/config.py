@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..engine.budget import MemoryBudget, MemoryUsage
 from ..engine.outputs import PromptCacheStatistics
 from .messages import CancelReason, FailureCode
 from .port import ALWAYS_UP, EngineLiveness
@@ -55,7 +56,15 @@ class RuntimeConfig:
 
 @dataclass(frozen=True, slots=True)
 class RuntimeStatistics:
-    """A snapshot of the runtime (Trio-style ``statistics()``)."""
+    """A snapshot of the runtime (Trio-style ``statistics()``).
+
+    Memory: ``memory_budget`` is the engine's (None: none); ``projected_kv_bytes`` what the
+    admitted sessions' KV may come to (admission keeps it within the budget's KV pool);
+    ``kv_bytes`` what the live rows' KV holds now, and ``prompt_cache.bytes`` the prompt
+    cache's; ``memory`` MLX's own counts (active, cache, peak) as of the last engine call;
+    ``batch_limit`` the rows the batch admits now (``max_batch``, less after the engine ran out
+    of memory: ``out_of_memory`` times).
+    """
 
     lane_mode: Literal["idle", "batch", "serial", "exclusive", "draining"]
     live_sessions: int
@@ -83,3 +92,8 @@ class RuntimeStatistics:
     decoded_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    memory_budget: MemoryBudget | None = None
+    projected_kv_bytes: int = 0
+    memory: MemoryUsage | None = None
+    batch_limit: int = 0
+    out_of_memory: int = 0

@@ -16,6 +16,7 @@ from typing import Literal
 
 import trio
 
+from ..engine.budget import MemoryBudget, MemoryUsage
 from ..engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
 from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt
@@ -108,6 +109,13 @@ class FaultyEngine:
     @property
     def kv_bytes(self) -> int:
         return self.inner.kv_bytes
+
+    @property
+    def memory_budget(self) -> MemoryBudget | None:
+        return self.inner.memory_budget
+
+    def memory_usage(self) -> MemoryUsage | None:
+        return self.inner.memory_usage()
 
     def token_text(self, token_id: int) -> str:
         return self.inner.token_text(token_id)

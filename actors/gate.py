@@ -1,9 +1,18 @@
-"""The admission gate: a bounded number of live sessions and a bounded queue.
+"""The admission gate: a bounded number of live sessions, a KV byte budget, a bounded queue.
 
 An actor: the only reader of its inbox, so its counts need no lock. A request is admitted at
-once while fewer than ``max_live`` sessions hold a permit, queued while fewer than
-``max_queued`` wait, and refused otherwise, immediately, with a retry-after hint. A waiter that
-leaves (its reply channel closed) is skipped, and stops counting against the queue bound.
+once while fewer than ``max_live`` sessions hold a permit and, under a memory budget, the
+projected KV bytes of the permits held plus its own fit ``kv_pool_bytes``; queued while fewer
+than ``max_queued`` wait, and refused otherwise, immediately, with a retry-after hint. A
+permit's bytes are released with it. A waiter that leaves (its reply channel closed) is
+skipped, and stops counting against the queue bound; it says so (:class:`Withdraw`), so that
+the waiters behind it are looked at again.
+
+The queue is first in, first out: while its head does not fit, nothing behind it is admitted,
+even a request small enough to. That is head-of-line blocking by choice: a large request is
+admitted as soon as the bytes it needs are free, instead of being starved by a stream of small
+ones that keep taking them (the runtime refuses, before admission, a request that could never
+fit the pool, so the head always fits once enough permits come back).
 """
 
 from __future__ import annotations
@@ -23,9 +32,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Permit:
-    """One live-session slot; give it back with :class:`ReturnPermit`."""
+    """One live-session slot and the KV bytes it may come to hold; give it back with
+    :class:`ReturnPermit`."""
 
     number: int
+    kv_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +54,10 @@ Reply = Permit | Queued | Refused
 
 @dataclass(frozen=True, slots=True)
 class Admit:
+    """Ask for a permit; ``kv_bytes``: the request's projected KV bytes (at most the pool)."""
+
     reply: trio.MemorySendChannel[Reply]
+    kv_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +66,16 @@ class ReturnPermit:
 
 
 @dataclass(frozen=True, slots=True)
+class Withdraw:
+    """A waiter left the queue (it closed its reply channel): the ones behind it may fit now."""
+
+
+@dataclass(frozen=True, slots=True)
 class Close:
     """Refuse everything from now on, queued waiters included."""
 
 
-GateMessage = Admit | ReturnPermit | Close
+GateMessage = Admit | ReturnPermit | Withdraw | Close
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,51 +84,82 @@ class GateStatistics:
     queued: int
     refused: int
     closed: bool
+    projected_kv_bytes: int = 0  # the permits' projected KV bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Waiter:
+    reply: trio.MemorySendChannel[Reply]
+    kv_bytes: int
 
 
 class AdmissionGate:
-    def __init__(self, *, max_live: int, max_queued: int, retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_live: int,
+        max_queued: int,
+        retry_after_s: float = 1.0,
+        kv_pool_bytes: int | None = None,
+    ) -> None:
+        """``kv_pool_bytes``: the KV bytes the permits' projections may add up to (None: not
+        counted)."""
         assert max_live >= 1 and max_queued >= 0
         self.max_live = max_live
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
+        self.kv_pool_bytes = kv_pool_bytes
         self.inbox, self._recv = trio.open_memory_channel[GateMessage](max_live + max_queued + 64)
-        self._live: set[int] = set()
-        self._waiters: deque[trio.MemorySendChannel[Reply]] = deque()
+        self._live: dict[int, int] = {}  # permit number -> its projected KV bytes
+        self._projected = 0
+        self._waiters: deque[_Waiter] = deque()
         self._next_permit = 0
         self._refused = 0
         self._closed = False
 
     def statistics(self) -> GateStatistics:
         self._prune()
-        return GateStatistics(len(self._live), len(self._waiters), self._refused, self._closed)
+        return GateStatistics(
+            len(self._live), len(self._waiters), self._refused, self._closed, self._projected
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self._recv:
             async for message in self._recv:
                 match message:
-                    case Admit(reply):
-                        self._admit(reply)
+                    case Admit(reply, kv_bytes):
+                        self._admit(_Waiter(reply, kv_bytes))
                     case ReturnPermit(permit):
-                        self._live.discard(permit.number)
+                        self._projected -= self._live.pop(permit.number, 0)
+                        self._grant_waiters()
+                    case Withdraw():
+                        self._prune()
                         self._grant_waiters()
                     case Close():
                         self._closed = True
                         while self._waiters:
-                            offer(self._waiters.popleft(), Refused(_closed_error()))
+                            offer(self._waiters.popleft().reply, Refused(_closed_error()))
                     case _:
                         assert_never(message)
 
-    def _admit(self, reply: trio.MemorySendChannel[Reply]) -> None:
+    def _fits(self, waiter: _Waiter) -> bool:
+        """Whether ``waiter`` may have a permit now: a live slot, and room for its bytes."""
+        pool = self.kv_pool_bytes
+        room = pool is None or self._projected + waiter.kv_bytes <= pool
+        return len(self._live) < self.max_live and room
+
+    def _admit(self, waiter: _Waiter) -> None:
         self._prune()
+        pool = self.kv_pool_bytes
+        assert pool is None or waiter.kv_bytes <= pool, "the runtime admits what can fit"
         if self._closed:
-            offer(reply, Refused(_closed_error()))
-        elif len(self._live) < self.max_live and not self._waiters:
-            self._give_permit(reply)
+            offer(waiter.reply, Refused(_closed_error()))
+        elif not self._waiters and self._fits(waiter):
+            self._give_permit(waiter)
         elif len(self._waiters) < self.max_queued:
-            self._waiters.append(reply)
-            offer(reply, Queued(len(self._waiters)))
+            self._waiters.append(waiter)
+            offer(waiter.reply, Queued(len(self._waiters)))
         else:
             self._refused += 1
             message = (
@@ -122,24 +172,27 @@ class AdmissionGate:
                 live=len(self._live),
                 queued=len(self._waiters),
             )
-            offer(reply, Refused(error))
+            offer(waiter.reply, Refused(error))
 
-    def _give_permit(self, reply: trio.MemorySendChannel[Reply]) -> bool:
-        permit = Permit(self._next_permit)
+    def _give_permit(self, waiter: _Waiter) -> bool:
+        permit = Permit(self._next_permit, waiter.kv_bytes)
         self._next_permit += 1
-        if offer(reply, permit):
-            self._live.add(permit.number)
+        if offer(waiter.reply, permit):
+            self._live[permit.number] = permit.kv_bytes
+            self._projected += permit.kv_bytes
             return True
         return False
 
     def _grant_waiters(self) -> None:
-        while self._waiters and len(self._live) < self.max_live:
+        """Grant the queue's head while it fits (first in, first out)."""
+        self._prune()
+        while self._waiters and self._fits(self._waiters[0]):
             self._give_permit(self._waiters.popleft())
 
     def _prune(self) -> None:
         """Forget waiters that left the queue."""
-        if any(receiver_left(w) for w in self._waiters):
-            self._waiters = deque(w for w in self._waiters if not receiver_left(w))
+        if any(receiver_left(w.reply) for w in self._waiters):
+            self._waiters = deque(w for w in self._waiters if not receiver_left(w.reply))
 
 
 def _closed_error() -> RuntimeClosedError:

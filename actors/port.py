@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from ..engine.budget import MemoryBudget, MemoryUsage
 from ..engine.outputs import PromptCacheStatistics, RowEvent
 from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt
@@ -59,6 +60,16 @@ class EnginePort(Protocol):
     @property
     def kv_bytes(self) -> int:
         """KV bytes held by live rows, as of the last engine call."""
+        ...
+
+    @property
+    def memory_budget(self) -> MemoryBudget | None:
+        """The engine's memory budget (None: none): admission counts each request's projected
+        KV bytes against its KV pool."""
+        ...
+
+    def memory_usage(self) -> MemoryUsage | None:
+        """MLX's memory counts as of the last engine call (None: not known)."""
         ...
 
     async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:

@@ -53,10 +53,12 @@ class Runtime:
     def __init__(self, engine: EnginePort, config: RuntimeConfig) -> None:
         self.engine = engine
         self.config = config
+        budget = engine.memory_budget
         self.gate = gate.AdmissionGate(
             max_live=config.live_limit,
             max_queued=config.max_queued,
             retry_after_s=config.retry_after_s,
+            kv_pool_bytes=budget.kv_pool if budget is not None else None,
         )
         inbox_size = config.live_limit + config.max_queued + 64
         self.arbiter = EngineArbiter(inbox_size=inbox_size)
@@ -116,9 +118,11 @@ class Runtime:
     ) -> list[tuple[Session, trio.MemoryReceiveChannel[Event]]]:
         """Admit several requests together or not at all (one HTTP request's choices).
 
-        Every request is checked before any is admitted, and none starts before every one holds
-        a permit or a place in the queue. Raises as :meth:`submit` does; then, and if cancelled,
-        the permits and queue places it took are given back and no session was started.
+        Every request is checked before any is admitted (a request whose KV could never fit
+        the memory budget raises ``MemoryBudgetExceededError``), and none starts before every
+        one holds a permit or a place in the queue. Raises as :meth:`submit` does; then, and if
+        cancelled, the permits and queue places it took are given back and no session was
+        started.
         """
         if self._closed:
             raise RuntimeClosedError("the runtime is shutting down and admits no new requests")
@@ -131,7 +135,9 @@ class Runtime:
         self._submitting += len(requests)
         try:
             prepared = [await self._prepare(r) for r in requests]
-            admissions = await self._admit_all(len(requests))
+            pairs = zip(requests, prepared, strict=True)
+            projected = [self._projected_kv_bytes(r, p) for r, p in pairs]
+            admissions = await self._admit_all(projected)
             return [
                 self._start(request, ready, admission)
                 for request, ready, admission in zip(requests, prepared, admissions, strict=True)
@@ -146,13 +152,26 @@ class Runtime:
             params = self.engine.sampling_defaults.params()
         return await self.engine.prepare(request.prompt, params)
 
-    async def _admit_all(self, count: int) -> list[trio.MemoryReceiveChannel[gate.Reply]]:
-        """``count`` admissions from the gate, each a channel holding its permit or to receive
-        it once queued; if one is refused, the others are withdrawn."""
+    def _projected_kv_bytes(self, request: GenerationRequest, prepared: PreparedRequest) -> int:
+        """The KV bytes the request may come to hold, under the engine's memory budget (0
+        without one); raises ``MemoryBudgetExceededError`` if they exceed the whole KV pool."""
+        budget = self.engine.memory_budget
+        if budget is None:
+            return 0
+        return budget.check_fits(
+            len(prepared.prompt_tokens),
+            prepared.params.max_tokens,
+            prompt_param="prompt" if isinstance(request.prompt, str) else "messages",
+        )
+
+    async def _admit_all(self, projected: list[int]) -> list[trio.MemoryReceiveChannel[gate.Reply]]:
+        """An admission from the gate for each of the ``projected`` KV byte counts, each a
+        channel holding its permit or to receive it once queued; if one is refused, the others
+        are withdrawn."""
         admissions: list[trio.MemoryReceiveChannel[gate.Reply]] = []
         try:
-            for _ in range(count):
-                admissions.append(await self._admit())
+            for kv_bytes in projected:
+                admissions.append(await self._admit(kv_bytes))
         except BaseException:
             with trio.move_on_after(1.0, shield=True):
                 for admission in admissions:
@@ -160,10 +179,10 @@ class Runtime:
             raise
         return admissions
 
-    async def _admit(self) -> trio.MemoryReceiveChannel[gate.Reply]:
+    async def _admit(self, kv_bytes: int) -> trio.MemoryReceiveChannel[gate.Reply]:
         reply_send, reply_recv = trio.open_memory_channel[gate.Reply](2)
         try:
-            await self.gate.inbox.send(gate.Admit(reply_send))
+            await self.gate.inbox.send(gate.Admit(reply_send, kv_bytes))
             first = await reply_recv.receive()
         except BaseException:
             with trio.move_on_after(1.0, shield=True):
@@ -183,6 +202,8 @@ class Runtime:
         await admission.aclose()
         if permit is not None:
             await self.gate.inbox.send(gate.ReturnPermit(permit))
+        else:
+            await self.gate.inbox.send(gate.Withdraw())
 
     def _start(
         self,
@@ -324,6 +345,11 @@ class Runtime:
             decoded_tokens=batch_rate.decoded_tokens + serial_rate.decoded_tokens,
             prefill_tokens_per_s=batch_rate.prefill_tokens_per_s + serial_rate.prefill_tokens_per_s,
             decode_tokens_per_s=batch_rate.decode_tokens_per_s + serial_rate.decode_tokens_per_s,
+            memory_budget=self.engine.memory_budget,
+            projected_kv_bytes=gate_stats.projected_kv_bytes,
+            memory=self.engine.memory_usage(),
+            batch_limit=batch.batch_limit,
+            out_of_memory=batch.out_of_memory,
         )
 
     async def shutdown(self, grace_s: float | None = None) -> None:

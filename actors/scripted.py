@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..engine.budget import MemoryBudget
 from ..engine.errors import EngineUnavailableError, InvalidRequestError
 from ..engine.outputs import (
     Delta,
@@ -73,6 +74,23 @@ class Script:
     row_faults: Mapping[str, int] = field(default_factory=dict)
 
 
+def scripted_budget(kv_pool_tokens: int) -> MemoryBudget:
+    """A memory budget whose KV pool holds ``kv_pool_tokens`` tokens of the scripted engine
+    (``BYTES_PER_TOKEN`` each, no allocation step): a small one makes admission wait."""
+    pool = kv_pool_tokens * BYTES_PER_TOKEN
+    return MemoryBudget(
+        limit=pool,
+        device=pool,
+        weights=0,
+        headroom=0,
+        kv_pool=pool,
+        kv_bytes_per_token=BYTES_PER_TOKEN,
+        kv_bytes_per_row=0,
+        kv_step=1,
+        cache_limit=0,
+    )
+
+
 def expected_tokens(prompt_tokens: tuple[int, ...], n: int) -> list[int]:
     """The tokens the scripted engine generates for a prompt (never EOS)."""
     seed = zlib.crc32(bytes(t % 256 for t in prompt_tokens))
@@ -110,8 +128,12 @@ class ScriptedEngine:
         *,
         model_id: str = "scripted",
         sampling_defaults: SamplingDefaults = NO_DEFAULTS,
+        memory_budget: MemoryBudget | None = None,
     ) -> None:
+        """``memory_budget``: what the engine would answer as its budget (None: none); a
+        scripted row's KV is ``BYTES_PER_TOKEN`` a token (``scripted_budget`` makes one)."""
         self.script = script or Script()
+        self._memory_budget = memory_budget
         self._model_id = model_id
         self._sampling_defaults = sampling_defaults
         self._rows: dict[int, _Row] = {}
@@ -143,6 +165,13 @@ class ScriptedEngine:
     def kv_bytes(self) -> int:
         rows = list(self._rows.values()) + ([self._serial] if self._serial else [])
         return sum((r.prefilled + r.generated) * BYTES_PER_TOKEN for r in rows)
+
+    @property
+    def memory_budget(self) -> MemoryBudget | None:
+        return self._memory_budget
+
+    def memory_usage(self) -> None:
+        return None
 
     @property
     def num_rows(self) -> int:

@@ -119,6 +119,8 @@ class Session:
                 await admission.aclose()
                 if permit is not None:
                     await self._links.gate.send(gate.ReturnPermit(permit))
+                else:  # it left the queue: the waiters behind it may fit now
+                    await self._links.gate.send(gate.Withdraw())
             if outcome is None:
                 outcome = Cancelled(self._cancel_reason(), self._usage())
             await self._publish_outcome(outcome)

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from ..engine.budget import MemoryLimit
 from ..engine.errors import MlxTrioError
 from ..engine.params import SamplingParams
 from ..engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
@@ -84,6 +85,21 @@ def _sampling_params(args: argparse.Namespace, defaults: SamplingDefaults) -> Sa
     )
 
 
+def _add_memory_limit(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--memory-limit",
+        default=None,
+        help="memory budget: bytes (6GB, 512MiB) or a share of the device's memory (0.3, 30%%); "
+        "weights, activations and KV cache stay within it, requests wait for KV room "
+        "(default: 0.9 of a GPU's memory, 0.5 of the CPU's)",
+    )
+
+
+def _memory_limit(args: argparse.Namespace) -> MemoryLimit | None:
+    """``--memory-limit`` parsed (a bad one is refused before the model loads)."""
+    return None if args.memory_limit is None else MemoryLimit.parse(args.memory_limit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mlx-trio", description="Concurrent LLM inference on MLX and Trio.")
     parser.add_argument(
@@ -101,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     generate.add_argument("--system", default=None, help="system message (chat only)")
     generate.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    _add_memory_limit(generate)
     _add_sampling_flags(generate)
 
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
@@ -178,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prompt cache budget (default: 1/8 of memory, at most 8 GiB; 0 turns it off)",
     )
+    _add_memory_limit(serve)
 
     chaos = commands.add_parser(
         "chaos", help="run a randomized workload with injected faults and check the invariants"
@@ -211,12 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from ..engine.budget import default_limit
+    from ..engine.core import plan_memory
     from ..engine.generate import Engine
+    from ..engine.loader import runs_on_gpu
+    from ..engine.memory import apply_budget
     from ..engine.prompt import ChatMessage
 
     flags = _flag_defaults(args)
     _sampling_params(args, flags)  # a bad flag is refused before the model loads
-    engine = Engine.load(args.model, device=args.device)
+    limit = _memory_limit(args) or default_limit(runs_on_gpu(args.device))
+    engine = Engine.load(args.model, device=args.device, memory_limit=limit)
+    budget = plan_memory(engine, max_batch=1)
     layers: list[tuple[Source, SamplingDefaults]] = [
         ("flag", flags),
         ("model", engine.sampling_defaults),
@@ -230,7 +254,12 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = [ChatMessage("user", args.prompt)]
         if args.system is not None:
             prompt.insert(0, ChatMessage("system", args.system))
-    generation = engine.generate(engine.prepare(prompt, params))
+    request = engine.prepare(prompt, params)
+    if budget is not None:
+        apply_budget(budget)
+        field = "prompt" if args.raw else "messages"
+        budget.check_fits(len(request.prompt_tokens), params.max_tokens, prompt_param=field)
+    generation = engine.generate(request)
     finish = None
     for delta in generation:
         sys.stdout.write(delta.text)
@@ -267,6 +296,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model,
         device=args.device,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        memory_limit=_memory_limit(args),
         engine_process={"auto": None, "thread": False, "process": True}[args.engine],
         runtime=RuntimeConfig(
             max_batch=args.max_batch,

@@ -17,6 +17,7 @@ from ..actors.messages import GenerationRequest
 from ..engine.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
+    MemoryBudgetExceededError,
     RuntimeRefusal,
 )
 from ..engine.prompt import ChatMessage
@@ -126,6 +127,9 @@ class Api:
                 self.state.metrics.refusals.labels(exc.code).inc()
             if kind == "text" and isinstance(exc, ContextLengthExceededError):
                 exc.param = "prompt"  # the engine names a chat's field, "messages"
+            sent_as = getattr(body, "max_completion_tokens", None)
+            if isinstance(exc, MemoryBudgetExceededError) and sent_as is not None:
+                exc.param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
             raise refusal_error(exc) from None
         exchange = Exchange(
             request_id, kind, body.model, handles, rt.token_text, self.state.metrics, n=body.n

@@ -41,6 +41,7 @@ from ..actors.messages import (
 from ..actors.port import EnginePort
 from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
+from ..engine.budget import MemoryLimit, default_limit
 from ..engine.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ async def open_runtime(
     engine: EnginePort | None = None,
     device: Literal["auto", "cpu", "gpu"] = "auto",
     prompt_cache_bytes: int | None = None,
+    memory_limit: str | int | float | MemoryLimit | None = None,
     engine_process: bool | None = None,
     config: RuntimeConfig | None = None,
     **config_fields: object,
@@ -222,11 +224,15 @@ async def open_runtime(
     """Start a runtime on ``model`` (None: the embedded default) or on a given ``engine``.
 
     ``prompt_cache_bytes``: the prompt cache's budget (None: an eighth of memory, at most
-    8 GiB; 0: off). ``engine_process``: run the model in a child process of its own instead
-    of on a thread beside the event loop; None picks the process on a GPU, where the two
-    threads' shared GIL costs the most (design/009). Either runs under a supervisor that
-    restarts it if it dies or wedges (``max_engine_restarts`` in a crash loop, then gives up;
-    design/015). Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
+    8 GiB; 0: off). ``memory_limit``: the memory budget (``"6GB"``, ``"512MiB"``, bytes, or a
+    share of the device's memory such as ``0.3``; None: 0.9 of a GPU's, 0.5 of the CPU's):
+    MLX's limits are set to it, and admission counts each request's projected KV bytes
+    against what the weights and activations leave of it (design/015); a given ``engine``
+    has its own. ``engine_process``: run the model in a child process of its own instead of
+    on a thread beside the event loop; None picks the process on a GPU, where the two threads'
+    shared GIL costs the most (design/009). Either runs under a supervisor that restarts it if
+    it dies or wedges (``max_engine_restarts`` in a crash loop, then gives up; design/016).
+    Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
     On exit, admission closes and in-flight requests get ``shutdown_grace_s`` to finish.
     """
     config = replace(config or RuntimeConfig(), **config_fields)  # type: ignore[arg-type]
@@ -236,7 +242,9 @@ async def open_runtime(
         return
 
     async with (
-        open_supervised_port(model, device, prompt_cache_bytes, engine_process, config) as port,
+        open_supervised_port(
+            model, device, prompt_cache_bytes, engine_process, config, memory_limit
+        ) as port,
         open_runtime_actors(port, config) as runtime,
     ):
         yield RuntimeHandle(runtime)
@@ -248,6 +256,7 @@ def open_supervised_port(
     prompt_cache_bytes: int | None,
     engine_process: bool | None,
     config: RuntimeConfig,
+    memory_limit: str | int | float | MemoryLimit | None = None,
 ) -> AbstractAsyncContextManager[EnginePort]:
     """The engine on a thread or in a process, under a supervisor that restarts it when it
     dies or wedges (``actors/engine_port/supervisor.py``)."""
@@ -260,8 +269,10 @@ def open_supervised_port(
     from ..engine.generate import Engine, RequestPreparer
     from ..engine.loader import load_tokenizer_only, runs_on_gpu
 
+    on_gpu = runs_on_gpu(device)
     if engine_process is None:
-        engine_process = runs_on_gpu(device)
+        engine_process = on_gpu
+    limit = _memory_limit(memory_limit, on_gpu=on_gpu)
     policy = RestartPolicy(
         max_restarts=config.max_engine_restarts, step_timeout_s=config.step_timeout_s
     )
@@ -272,6 +283,7 @@ def open_supervised_port(
         "prompt_cache_bytes": prompt_cache_bytes,
         "max_preparation_tokens": config.max_preparation_tokens,
         "max_iteration_tokens": config.max_iteration_tokens,
+        "memory_limit": limit,
     }
 
     @asynccontextmanager
@@ -301,6 +313,13 @@ def open_supervised_port(
         )
 
     return open_supervised_engine(start, make_port, policy)
+
+
+def _memory_limit(given: str | int | float | MemoryLimit | None, *, on_gpu: bool) -> MemoryLimit:
+    """``given`` parsed (raises ``InvalidRequestError``), or the device's default."""
+    if given is None:
+        return default_limit(on_gpu)
+    return given if isinstance(given, MemoryLimit) else MemoryLimit.parse(given)
 
 
 def freeze_startup_heap() -> int:

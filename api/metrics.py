@@ -77,6 +77,7 @@ class _RuntimeCollector(Collector):
             ("mlx_trio_healthy", "1 when the engine makes progress", int(stats.is_healthy)),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from _memory_gauges(stats)
         cache = stats.prompt_cache
         if cache is None:
             return
@@ -93,6 +94,36 @@ class _RuntimeCollector(Collector):
             ),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+
+
+def _memory_gauges(stats: RuntimeStatistics) -> Iterator[GaugeMetricFamily]:
+    """The memory budget and what holds memory now (design/015-memory-budget.md)."""
+    gauges: list[tuple[str, str, float]] = [
+        (
+            "mlx_trio_kv_projected_bytes",
+            "KV bytes admitted sessions may grow to",
+            stats.projected_kv_bytes,
+        ),
+        ("mlx_trio_batch_limit", "rows the batch admits now", stats.batch_limit),
+        ("mlx_trio_out_of_memory", "engine calls that failed to allocate", stats.out_of_memory),
+    ]
+    budget = stats.memory_budget
+    if budget is not None:
+        gauges += [
+            ("mlx_trio_memory_limit_bytes", "the memory budget", budget.limit),
+            ("mlx_trio_memory_weights_bytes", "the model's weights", budget.weights),
+            ("mlx_trio_memory_headroom_bytes", "the activations' headroom", budget.headroom),
+            ("mlx_trio_kv_pool_bytes", "KV pool: sessions and prompt cache", budget.kv_pool),
+        ]
+    memory = stats.memory
+    if memory is not None:
+        gauges += [
+            ("mlx_trio_mlx_active_bytes", "memory MLX's arrays hold", memory.active),
+            ("mlx_trio_mlx_cache_bytes", "freed memory MLX keeps for reuse", memory.cache),
+            ("mlx_trio_mlx_peak_bytes", "the most MLX's arrays have held", memory.peak),
+        ]
+    for name, doc, value in gauges:
+        yield GaugeMetricFamily(name, doc, value=value)
 
 
 class Metrics:

@@ -19,6 +19,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from ..actors.config import RuntimeConfig
 from ..actors.port import EnginePort
+from ..engine.budget import MemoryLimit
 from ..engine.sampling_defaults import describe
 from .http import build_app
 from .http_state import AppState, HttpSettings
@@ -34,6 +35,7 @@ class ServeOptions:
     model: str | None = None
     device: str = "auto"
     prompt_cache_bytes: int | None = None
+    memory_limit: MemoryLimit | None = None  # None: the default share of the device's memory
     engine_process: bool | None = None  # None: on a GPU (see open_runtime)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     http: HttpSettings = field(default_factory=HttpSettings)
@@ -92,6 +94,7 @@ async def serve(
                 engine=engine,
                 device=options.device,  # type: ignore[arg-type]
                 prompt_cache_bytes=options.prompt_cache_bytes,
+                memory_limit=options.memory_limit,
                 engine_process=options.engine_process,
                 config=options.runtime,
             ) as rt:

@@ -105,6 +105,17 @@ class BatchEngine:
         parked = sum(c.nbytes for row in self._rows.values() if row.parked for c in row.parked[0])
         return self._batch.kv_bytes + parked + self._solo.kv_bytes
 
+    def row_sizes(self) -> list[tuple[int, int]]:
+        """Each row's prompt tokens and ``max_tokens`` (what its KV can grow to), for the rows
+        that hold KV: in mlx-lm's batch, parked or solo; not a row that ended in this call's
+        steps (its KV went to the prompt cache, or was freed)."""
+        solo = self._solo.row_id
+        return [
+            (r.num_prompt_tokens, r.decoder.params.max_tokens)
+            for r in self._rows.values()
+            if r.uid is not None or r.parked is not None or r.id == solo
+        ]
+
     def add(self, request: PreparedRequest) -> int:
         """Queue a row; it starts prefilling at the next step. Returns its row id."""
         self._raise_fault()

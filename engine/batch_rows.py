@@ -44,6 +44,7 @@ class BatchRow:
     processors: list[LogitsProcessor]
     stops: StopSequences
     wants_logprobs: bool
+    num_prompt_tokens: int = 0
     uid: int | None = None
     decoding: bool = False  # in mlx-lm's generation batch (not prefilling)
     parked: tuple[list[Any], list[int]] | None = None  # KV caches, tokens (last one not in them)
@@ -71,6 +72,7 @@ class BatchRow:
             processors=make_row_processors(params),
             stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
             wants_logprobs=params.logprobs,
+            num_prompt_tokens=len(request.prompt_tokens),
         )
 
     @property

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, assert_never
 
+from .budget import MemoryBudget, MemoryUsage
 from .outputs import PromptCacheStatistics, RowEvent
 from .params import PreparedRequest
 from .sampling_defaults import SamplingDefaults
@@ -115,11 +116,16 @@ class EngineState:
     num_rows: int = 0  # rows in the batch plus the serial run
     batch_steps_run: int = 0
     prompt_cache: PromptCacheStatistics | None = None
+    memory: MemoryUsage | None = None  # MLX's counts
 
     @classmethod
     def of(cls, core: EngineCore) -> EngineState:
         return cls(
-            core.kv_bytes, core.num_rows, core.batch_steps_run, core.prompt_cache_statistics()
+            core.kv_bytes,
+            core.num_rows,
+            core.batch_steps_run,
+            core.prompt_cache_statistics(),
+            core.memory_usage(),
         )
 
 
@@ -140,11 +146,18 @@ class Reply(Generic[R]):
 
 @dataclass(frozen=True, slots=True)
 class EngineStarted:
-    """What the port knows of its engine from the start; the engine process's first reply."""
+    """What the port knows of its engine from the start; the engine process's first reply.
+    ``memory``: the memory budget the core planned (None: none)."""
 
     model_id: str
     sampling_defaults: SamplingDefaults
     warmup: WarmupReport | None = None
+    memory: MemoryBudget | None = None
+
+    @classmethod
+    def of(cls, core: EngineCore, warmup: WarmupReport | None = None) -> EngineStarted:
+        engine = core.engine
+        return cls(engine.model_id, engine.sampling_defaults, warmup, core.memory)
 
 
 def apply(core: EngineCore, call: EngineCall) -> object:
@@ -175,9 +188,12 @@ def apply(core: EngineCore, call: EngineCall) -> object:
 
 
 def answer(core: EngineCore, call: EngineCall) -> Reply[Any]:
-    """Run one call on ``core``: its reply, an exception it raised included."""
+    """Run one call on ``core``: its reply, an exception it raised included; then let the core
+    tidy its memory (``EngineCore.tidy``)."""
     try:
         value = apply(core, call)
     except Exception as exc:
+        core.tidy()
         return Reply(None, exc, EngineState.of(core))
+    core.tidy()
     return Reply(value, None, EngineState.of(core))

@@ -58,7 +58,7 @@ def serve_engine(
         logger.exception("the engine process could not start")
         _send(connection, Reply(None, exc, EngineState()))
         return
-    started = EngineStarted(engine.model_id, engine.sampling_defaults, report)
+    started = EngineStarted.of(core, report)
     _send(connection, Reply(started, None, EngineState.of(core)))
     try:
         while True:

@@ -2,7 +2,8 @@
 
     MlxTrioError
     ├── InvalidRequestError          bad input; carries the offending ``param`` (OpenAI's shape)
-    │   └── ContextLengthExceededError   prompt (+ max_tokens) longer than the model's context
+    │   ├── ContextLengthExceededError   prompt (+ max_tokens) longer than the model's context
+    │   └── MemoryBudgetExceededError    prompt (+ max_tokens) whose KV can never fit the budget
     ├── ModelError                   anything about finding, importing or loading a model
     │   ├── ModelNotFoundError           no such file or directory
     │   ├── UnsupportedModelError        a format, architecture or quantization we cannot load
@@ -44,6 +45,14 @@ class ContextLengthExceededError(InvalidRequestError):
 
     def __init__(self, message: str, *, param: str | None = "messages") -> None:
         super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class MemoryBudgetExceededError(InvalidRequestError):
+    """The request's projected KV bytes exceed the server's whole KV pool: it could never be
+    admitted, however long it waited (``param``: ``max_tokens``, or the prompt's field)."""
+
+    def __init__(self, message: str, *, param: str | None = "max_tokens") -> None:
+        super().__init__(message, param=param, code="memory_budget_exceeded")
 
 
 class ModelError(MlxTrioError):

@@ -20,8 +20,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .budget import MemoryLimit
 from .errors import InvalidRequestError
 from .loader import LoadedModel, load_model
+from .memory import ModelMemory, measure_model
 from .outputs import Delta, GenerationStats
 from .params import PreparedRequest, SamplingParams
 from .prompt import Prompt, check_fits, encode_prompt
@@ -154,10 +156,13 @@ class Engine:
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
         prompt_cache_bytes: int | None = 0,
         token_budget: TokenBudget | None = None,
+        memory_limit: MemoryLimit | None = None,
     ):
         """``prompt_cache_bytes``: the prompt cache's budget; 0 turns it off, None picks
         :func:`default_budget_bytes`. ``token_budget``: how much prompt the batch prefills a
-        step (``engine/schedule.py``; None: the batch engine's fixed chunks)."""
+        step (``engine/schedule.py``; None: the batch engine's fixed chunks).
+        ``memory_limit``: the memory budget an ``EngineCore`` plans over this engine and sets
+        in MLX (None: none; ``engine/memory.py``); the model is measured for it here."""
         self.loaded = loaded
         self.token_budget = token_budget
         self.model = loaded.model
@@ -167,6 +172,10 @@ class Engine:
         self.vocab_size = self.preparer.vocab_size
         budget = default_budget_bytes() if prompt_cache_bytes is None else prompt_cache_bytes
         self.prompt_cache = PromptCache(budget, key=loaded.model_id) if budget > 0 else None
+        self.memory_limit = memory_limit
+        self.model_memory: ModelMemory | None = None
+        if memory_limit is not None:
+            self.model_memory = measure_model(self.model, vocab_size=self.vocab_size)
         byte_level_table(self.tokenizer)  # built here (0.4 s for 128k ids), not by a request
 
     @classmethod
@@ -178,6 +187,7 @@ class Engine:
         prompt_cache_bytes: int | None = 0,
         max_preparation_tokens: int | None = None,
         max_iteration_tokens: int | None = None,
+        memory_limit: MemoryLimit | None = None,
     ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
         budget is the device's (``default_budget``), with the two limits given overriding it."""
@@ -192,7 +202,12 @@ class Engine:
             budget.max_iteration_tokens,
             budget.max_chunk,
         )
-        return cls(loaded, prompt_cache_bytes=prompt_cache_bytes, token_budget=budget)
+        return cls(
+            loaded,
+            prompt_cache_bytes=prompt_cache_bytes,
+            token_budget=budget,
+            memory_limit=memory_limit,
+        )
 
     @property
     def model_id(self) -> str:

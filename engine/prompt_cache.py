@@ -5,12 +5,18 @@ already finds an exact match, the longest cached prefix, or a longer entry it ca
 wrapper counts hits, misses, reused tokens and evictions, never hands out a cache that leaves
 nothing to prefill (the model needs one token to produce logits), and only accepts entries that
 fit the budget. Both lanes use one instance; it lives on the engine thread.
+
+Under a memory budget the cache lives in the KV pool beside the live requests: the engine core
+gives it the room they leave (:meth:`PromptCache.bound_by`), and the cache keeps its entries'
+real bytes within the smaller of that and its own budget, trimming as it takes an entry and
+whenever the core asks (:meth:`PromptCache.fit`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,10 +56,32 @@ class PromptCache:
         self.budget_bytes = budget_bytes
         self._key = key
         self._lru = LRUPromptCache(max_size=MAX_ENTRIES)  # we trim to the budget, and count
+        self._room: Callable[[], int] | None = None
         self._hits = 0
         self._misses = 0
         self._hit_tokens = 0
         self._evictions = 0
+
+    def bound_by(self, room: Callable[[], int]) -> None:
+        """Keep the entries within ``room()`` bytes too (what the memory budget's KV pool has
+        left beside the live requests), asked each time the cache trims."""
+        self._room = room
+
+    @property
+    def limit_bytes(self) -> int:
+        """The most the entries may hold now: the budget, or the room, if less."""
+        if self._room is None:
+            return self.budget_bytes
+        return max(0, min(self.budget_bytes, self._room()))
+
+    def fit(self) -> None:
+        """Evict the least recently used entries until the rest fit :attr:`limit_bytes`."""
+        self._trim(self.limit_bytes)
+
+    def _trim(self, limit: int) -> None:
+        before = len(self._lru)
+        self._lru.trim_to(n_bytes=limit)
+        self._evictions += before - len(self._lru)
 
     def take(self, tokens: list[int]) -> CacheHit | None:
         """The KV for the longest cached prefix of ``tokens``, leaving at least one to prefill."""
@@ -84,15 +112,14 @@ class PromptCache:
             logger.debug("not caching: %d tokens but a KV offset of %d", len(tokens), offset)
             return
         size = sum(c.nbytes for c in cache)
-        if size > self.budget_bytes:
+        limit = self.limit_bytes
+        if size > limit:
             return
         # A batch row's cache is a lazy slice of the whole batch's KV; left lazy it would keep
         # that whole buffer alive (measured: ~8x what the budget counts). Evaluate it now.
         mx.eval([c.state for c in cache])
         self._lru.insert_cache(self._key, list(tokens), cache)
-        before = len(self._lru)
-        self._lru.trim_to(n_bytes=self.budget_bytes)
-        self._evictions += before - len(self._lru)
+        self._trim(limit)
 
     def statistics(self) -> PromptCacheStatistics:
         return PromptCacheStatistics(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import replace
 
+import httpx
 import trio
 
 from mlx_trio.actors.config import RuntimeConfig
@@ -56,6 +58,13 @@ class ServerThread:
         if self._error is not None:
             raise RuntimeError("the test server failed to start") from self._error
         return self
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        """Wait until ``/health`` says 200 (the model loaded)."""
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(f"{self.url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.1)
 
     def __exit__(self, *exc: object) -> None:
         if self._token is not None and self._shutdown is not None:

@@ -25,6 +25,8 @@ def mlx_trio(*args: str) -> subprocess.CompletedProcess[str]:
         (["generate", "hi", "--temperature", "5"], "mlx-trio: error: temperature must be in"),
         (["generate", "hi", "--model", "/no/such/model"], "mlx-trio: error: model not found"),
         (["serve", "--steps-per-call", "0"], "mlx-trio: error: --steps-per-call must be >= 1"),
+        (["generate", "hi", "--memory-limit", "lots"], "mlx-trio: error: memory_limit must be"),
+        (["serve", "--memory-limit", "150%"], "mlx-trio: error: memory_limit must be"),
         (["chaos", "--faults", "step_error,bogus"], "mlx-trio: error: unknown fault kinds"),
         (["chaos", "--http", "--requests", "0"], "mlx-trio: error: a plan needs at least one"),
     ],
@@ -54,6 +56,15 @@ def test_a_file_that_is_not_a_model_is_refused(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"mlx-trio: error: not a model directory or a GGUF file: {bogus}"
     ]
+
+
+@pytest.mark.e2e
+def test_a_memory_limit_below_the_weights_is_refused_naming_what_it_must_hold():
+    result = mlx_trio("generate", "hi", "--device", "cpu", "--memory-limit", "300MiB")
+    assert result.returncode == 1
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("mlx-trio: error:")]
+    assert line.startswith("mlx-trio: error: the memory limit (300.0 MiB: 300.0 MiB) leaves no")
+    assert "after the weights (513.1 MiB)" in line
 
 
 @pytest.mark.e2e

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -23,10 +22,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def server(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
     options = ServeOptions(engine_process=request.param, runtime=RuntimeConfig(max_batch=8))
     with ServerThread(options) as running:
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{running.url}/health").status_code != 200:
-            assert time.monotonic() < deadline, "the model did not load"
-            time.sleep(0.1)
+        running.wait_healthy()
         yield running
 
 

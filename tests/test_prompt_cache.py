@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.budget import MemoryLimit
+from mlx_trio.engine.core import EngineCore
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import SamplingParams
@@ -114,3 +117,58 @@ def test_no_budget_means_no_cache(loaded):
     engine = Engine(loaded, prompt_cache_bytes=0)
     assert engine.prompt_cache is None
     assert serial(engine, FIRST)[1] == 0
+
+
+@pytest.fixture
+def mlx_limits():
+    """Put MLX's memory and cache limits back after a test whose engine core set them."""
+    memory = mx.get_memory_limit()
+    cache = mx.set_cache_limit(0)
+    mx.set_cache_limit(cache)
+    yield
+    mx.set_memory_limit(memory)
+    mx.set_cache_limit(cache)
+
+
+def test_under_a_memory_budget_the_cache_keeps_to_what_the_live_rows_leave(loaded, mlx_limits):
+    def core_with(limit: int) -> EngineCore:
+        engine = Engine(
+            loaded,
+            prefill_step_size=16,
+            prompt_cache_bytes=64 << 20,
+            memory_limit=MemoryLimit(bytes=limit),
+        )
+        return EngineCore(engine, max_batch=4, prefill_chunk=16)
+
+    def prompt(i: int) -> str:
+        return f"{i:02d} unrelated prompt number {i:02d} with enough tokens to be cached"
+
+    probe = core_with(1 << 40)
+    assert probe.memory is not None
+    one = probe.memory.projected_bytes(
+        len(probe.engine.prepare(prompt(0), GREEDY).prompt_tokens), 12
+    )
+    core = core_with(probe.memory.weights + probe.memory.headroom + 2 * one)  # two such rows
+    assert core.memory is not None and core.memory.kv_pool == 2 * one
+    cache = core.engine.prompt_cache
+    assert cache is not None
+
+    def run(prompts: list[str]) -> None:
+        assert all(
+            isinstance(r, int)
+            for r in core.batch_add([core.engine.prepare(p, GREEDY) for p in prompts])
+        )
+        while core.num_rows:
+            held = max(core.projected_kv_bytes(), core.kv_bytes)
+            assert cache.statistics().bytes + held <= core.memory.kv_pool
+            core.batch_step()
+        assert cache.statistics().bytes <= core.memory.kv_pool
+
+    for i in range(12):  # a row at a time: each leaves its KV to the cache, which evicts
+        run([prompt(i)])
+    stats = cache.statistics()
+    assert stats.entries > 0 and stats.evictions > 0
+    run([prompt(20), prompt(21)])  # two rows project the whole pool
+    assert cache.statistics().evictions >= stats.evictions + stats.entries
+    assert 0 < cache.statistics().bytes <= core.memory.kv_pool
+    core.close()

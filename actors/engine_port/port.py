@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
+from ...engine.budget import MemoryBudget, MemoryUsage
 from ...engine.calls import (
     BatchAdd,
     BatchPark,
@@ -197,6 +198,13 @@ class CorePort:
     @property
     def kv_bytes(self) -> int:
         return self._state().kv_bytes
+
+    @property
+    def memory_budget(self) -> MemoryBudget | None:
+        return self._started.memory
+
+    def memory_usage(self) -> MemoryUsage | None:
+        return self._state().memory
 
     @property
     def num_rows(self) -> int:

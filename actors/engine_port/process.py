@@ -30,6 +30,7 @@ from typing import Any, TypeVar, cast
 import trio
 
 from ...engine.batch import DEFAULT_PREFILL_CHUNK
+from ...engine.budget import MemoryLimit
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
 from ...engine.child import EngineProcessError, serve_engine
 from ...engine.generate import Engine, RequestPreparer
@@ -229,6 +230,7 @@ class ProcessEngine(CorePort):
         device: str,
         max_batch: int,
         prompt_cache_bytes: int | None = None,
+        memory_limit: MemoryLimit | None = None,
     ) -> AsyncIterator[ProcessEngine]:
         """Like ``ThreadedEngine.load``: the tokenizer here (resolving, and importing if need
         be, ``spec`` first), the model in the child, warmed up before this yields. On exit
@@ -237,7 +239,13 @@ class ProcessEngine(CorePort):
 
         loaded = await trio.to_thread.run_sync(load_tokenizer_only, spec)
         preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
-        build = partial(Engine.load, spec, device=device, prompt_cache_bytes=prompt_cache_bytes)
+        build = partial(
+            Engine.load,
+            spec,
+            device=device,
+            prompt_cache_bytes=prompt_cache_bytes,
+            memory_limit=memory_limit,
+        )
         async with open_process_engine(build, preparer, max_batch=max_batch) as engine:
             yield engine
 

@@ -27,13 +27,14 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
 import outcome
 import trio
 
 from ...engine.batch import DEFAULT_PREFILL_CHUNK
+from ...engine.budget import MemoryLimit
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply, answer
 from ...engine.core import EngineCore, clear_thread_streams
 from ...engine.generate import Engine
@@ -245,7 +246,7 @@ class ThreadedEngine(CorePort):
         core = EngineCore(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
         super().__init__(
             ThreadTransport(thread, core),
-            EngineStarted(engine.model_id, engine.sampling_defaults),
+            EngineStarted.of(core),
             engine.preparer,
             max_batch=max_batch,
             prefill_chunk=prefill_chunk,
@@ -260,11 +261,18 @@ class ThreadedEngine(CorePort):
         device: str,
         max_batch: int,
         prompt_cache_bytes: int | None = None,
+        memory_limit: MemoryLimit | None = None,
     ) -> ThreadedEngine:
         """Load on the engine thread and warm up; ``prompt_cache_bytes`` None picks a default,
-        0 is off. If cancelled, the load or warm-up still completes on the thread, unused."""
+        0 is off; ``memory_limit`` None: no memory budget. If cancelled, the load or warm-up
+        still completes on the thread, unused."""
         engine = await thread.run(
-            lambda: Engine.load(spec, device=device, prompt_cache_bytes=prompt_cache_bytes)
+            lambda: Engine.load(
+                spec,
+                device=device,
+                prompt_cache_bytes=prompt_cache_bytes,
+                memory_limit=memory_limit,
+            )
         )
         port = cls(engine, thread, max_batch=max_batch)
         await port.batch_reset()
@@ -272,7 +280,7 @@ class ThreadedEngine(CorePort):
         # healthy (GPU; returns at once on CPU).
         chunk = port.prefill_chunk
         report = await thread.run(lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=chunk))
-        port._started = EngineStarted(engine.model_id, engine.sampling_defaults, report)
+        port._started = replace(port._started, warmup=report)
         return port
 
 
@@ -297,7 +305,7 @@ async def open_thread_transport(
         report = await thread.run(
             lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
         )
-        yield transport, EngineStarted(engine.model_id, engine.sampling_defaults, report)
+        yield transport, EngineStarted.of(core, report)
     finally:
         # A killed transport abandoned its thread already; closing it then does nothing.
         with trio.CancelScope(shield=True):

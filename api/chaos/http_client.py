@@ -16,6 +16,7 @@ import trio
 
 from ...actors.config import RuntimeConfig, RuntimeStatistics
 from ...actors.port import EngineLiveness, EnginePort
+from ...engine.budget import MemoryBudget, MemoryUsage
 from ...engine.outputs import PromptCacheStatistics
 from ..http_state import AppState
 from ..server import ServeOptions, serve
@@ -64,11 +65,15 @@ async def open_over_http(engine: EnginePort, config: RuntimeConfig) -> AsyncIter
 def _runtime_statistics(data: dict[str, Any]) -> RuntimeStatistics:
     """Rebuild :class:`RuntimeStatistics` from GET /v1/stats (``asdict`` of it)."""
     cache = data.get("prompt_cache")
+    budget = data.get("memory_budget")
+    memory = data.get("memory")
     return RuntimeStatistics(
         **{
             **data,
             "prompt_cache": PromptCacheStatistics(**cache) if cache else None,
             "engine": EngineLiveness(**data["engine"]),
+            "memory_budget": MemoryBudget(**budget) if budget else None,
+            "memory": MemoryUsage(**memory) if memory else None,
         }
     )
 
