@@ -43,11 +43,12 @@ DEFAULT_DIR = Path.home() / ".cache" / "mlx-trio" / "bench-llama-1b-bf16"
 
 
 def build_model_dir(path: Path, quick: bool) -> None:
-    """Write ``bench/gpu.py``'s model and tokenizer as an mlx-lm model directory."""
+    """Write the GPU bench's model and tokenizer (``mlx_trio.api.bench.models``) as an mlx-lm
+    model directory."""
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
-    from bench.gpu import make_model, make_tokenizer, model_args
+    from mlx_trio.api.bench.models import make_model, make_tokenizer, model_args
 
     path.mkdir(parents=True, exist_ok=True)
     model = make_model(quick, quantized=False)
