@@ -174,14 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-preparation-tokens",
         type=int,
         default=None,
-        help="prompt tokens prefilled together (default: the device's, 1024 on CPU, 16384 GPU)",
+        help="prompt tokens prefilled together (default: the device's, 1024 on CPU, 32768 GPU)",
     )
     serve.add_argument(
         "--max-iteration-tokens",
         type=int,
         default=None,
         help="tokens a batch step processes: one per decoding row, the rest prompt chunks "
-        "(default: the device's, 256 on CPU, 4096 on GPU)",
+        "(default: the device's, 256 on CPU, 8192 on GPU)",
     )
     serve.add_argument(
         "--engine-restarts",

@@ -224,10 +224,13 @@ def plan_memory(
         return None
     rows, chunk = PREFILL_BATCH, prefill_chunk
     if (tokens := engine.token_budget) is not None:
-        # A step's prompt tokens stay within the iteration budget; the attention scores grow
-        # with the chunk, so the worst step is the largest chunks that fill the budget.
-        chunk = min(tokens.max_chunk, tokens.max_iteration_tokens)
-        rows = max(1, tokens.max_iteration_tokens // chunk)
+        # Beside decoding rows a step's prompt tokens stay within the iteration budget; with
+        # none decoding, every prepared prompt takes a whole chunk (the preparation budget
+        # bounds them). The attention scores grow with the chunk: the worst step is the
+        # largest chunks that fill the larger of the two.
+        chunk = tokens.max_chunk
+        per_step = max(tokens.max_iteration_tokens, tokens.max_preparation_tokens)
+        rows = max(1, min(max_batch, per_step // chunk))
     return plan_budget(
         engine.model_memory,
         engine.memory_limit,
