@@ -9,20 +9,14 @@ reader, then asks the group to resume it. A session that left (closed its inbox)
 before the next step. A step that raises fails the rows of that step and the batch is rebuilt;
 a step that passes the watchdog abandons them. The lease goes back when no row is left.
 
-Every engine call costs the event loop some work (the thread hop, this actor waking) and so
-does every row in it (the fan-out, its consumer waking; its session's task too when the event
-cannot take the inbox's shortcut); that work holds the GIL the engine thread needs. When steps
-are fast (a GPU: 4 ms for one row, 31 ms for 256) it would slow decoding down by a seventh at
-one row and by a third or more at 256, so an engine call then runs several steps and each row
-gets its tokens of all of them in one event (:meth:`BatchGroup.steps_per_call`): as many as
-keep the loop's CPU time, measured call by call, near ``LOOP_SHARE`` of the call. Rows join,
-leave and park between calls; while a row waits to join, calls are single steps. A row's
-first token ends its call; the other rows then keep that short call's tokens for the next
+An engine call may run several steps, each row getting its tokens of all of them in one event
+(``batch_policy.CallPacer``: the event loop's work per call holds the GIL the engine needs).
+Rows join, leave and park between calls; while a row waits to join, calls are single steps. A
+row's first token ends its call; the other rows then keep that short call's tokens for the next
 call (``BatchEngine.step``), so their tokens still come in events of a whole call's steps.
 
 A step that fails to allocate memory fails its rows like any failed step, and the group then
-halves the rows it admits (``batch_limit``); each ``RECOVER_AFTER_CALLS`` engine calls that
-succeed give one row back, up to ``max_batch`` (design/015-memory-budget.md).
+admits fewer rows for a while (``batch_policy.BatchLimit``; design/015-memory-budget.md).
 """
 
 from __future__ import annotations
@@ -49,6 +43,7 @@ from .arbiter import (
     Lease,
     ReleaseLease,
 )
+from .batch_policy import BatchLimit, CallPacer
 from .channels import offer
 from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox, is_final
 from .port import EnginePort
@@ -56,19 +51,10 @@ from .throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
-# The event loop's CPU time per engine call (fan-out, consumers waking, HTTP streaming)
-# may add at most this share to the call's steps; it is measured as the calls run.
-LOOP_SHARE = 0.03
-# Bounds how long a row's tokens wait to be sent: 16 steps are 40-60 ms at one row on an H200,
-# 0.3 s at 256 rows.
-MAX_STEPS_PER_CALL = 16
 # How often an empty batch looks again for the rows on their way to it.
 ARRIVAL_POLL_S = 0.0005
 # How often rows waiting to join look again whether a restarting engine is back.
 ENGINE_POLL_S = 0.05
-# After a failed allocation halved the batch, this many engine calls that succeed give one row
-# back: additive increase, multiplicative decrease, as TCP's congestion window does.
-RECOVER_AFTER_CALLS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,14 +127,9 @@ class BatchGroup:
         self.engine = engine
         self._rows_on_their_way = rows_on_their_way
         self.max_batch = max_batch
-        self.batch_limit = max_batch
-        self._calls_since_lowered = 0
-        self._out_of_memory = 0
+        self.limit = BatchLimit(max_batch)
         self.admission_window_s = admission_window_s
-        self.fixed_steps_per_call = steps_per_call
-        self._step_s: float | None = None  # a moving average of one step's time
-        self._loop_s: float | None = None  # ... and of the event loop's CPU time per call
-        self._loop_mark: float | None = None  # the loop thread's CPU clock at the last call
+        self.pacer = CallPacer(steps_per_call)
         self.step_timeout_s = step_timeout_s
         self.inbox, self._recv = trio.open_memory_channel[BatchMessage](inbox_size)
         self._arbiter = arbiter
@@ -190,8 +171,8 @@ class BatchGroup:
             parks=self._parks,
             holds_lease=self._lease is not None,
             draining=self._draining,
-            batch_limit=self.batch_limit,
-            out_of_memory=self._out_of_memory,
+            batch_limit=self.limit.rows,
+            out_of_memory=self.limit.out_of_memory,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -232,33 +213,9 @@ class BatchGroup:
         self._count_consecutive_fault()
         logger.error("%s failed; failing %d row(s)", what, len(self._members), exc_info=exc)
         if is_out_of_memory(exc):
-            self._lower_batch_limit()
+            self.limit.lower(len(self._members))
         message = f"engine error: {type(exc).__name__}: {exc}"
         await self._fail_all(lambda row: RowFailed(row, message))
-
-    def _lower_batch_limit(self) -> None:
-        """After a failed allocation: admit at most half the rows that were in the batch."""
-        self._out_of_memory += 1
-        rows = max(1, min(self.batch_limit, len(self._members)))
-        self.batch_limit = max(1, rows // 2)
-        self._calls_since_lowered = 0
-        logger.warning(
-            "the engine ran out of memory with %d row(s); the batch admits at most %d until "
-            "steps succeed again",
-            rows,
-            self.batch_limit,
-        )
-
-    def _raise_batch_limit(self) -> None:
-        """After an engine call that succeeded: one row back every ``RECOVER_AFTER_CALLS``."""
-        if self.batch_limit >= self.max_batch:
-            return
-        self._calls_since_lowered += 1
-        if self._calls_since_lowered >= RECOVER_AFTER_CALLS:
-            self._calls_since_lowered = 0
-            self.batch_limit += 1
-            if self.batch_limit == self.max_batch:
-                logger.info("the batch admits up to max_batch (%d) rows again", self.max_batch)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -297,7 +254,7 @@ class BatchGroup:
         return (
             bool(self._pending)
             and not self._draining
-            and len(self._members) < self.batch_limit
+            and len(self._members) < self.limit.rows
             and self.engine.liveness().is_up
         )
 
@@ -335,7 +292,7 @@ class BatchGroup:
             if self._num_active() > 0:
                 await self._step()
             else:
-                self._loop_mark = None  # idle: the next call starts a new measurement
+                self.pacer.idle()
             if not self._members and (self._draining or not self._pending):
                 lease, self._lease = self._lease, None
                 self._draining = False
@@ -357,7 +314,7 @@ class BatchGroup:
     async def _admit(self) -> None:
         """Add the waiting rows that fit, in one engine call."""
         adds: list[AddRow] = []
-        while self._can_admit() and len(self._members) + len(adds) < self.batch_limit:
+        while self._can_admit() and len(self._members) + len(adds) < self.limit.rows:
             add = self._pending.popleft()
             if not add.events.receiver_left:
                 adds.append(add)
@@ -387,24 +344,13 @@ class BatchGroup:
             await self.engine.batch_remove(rows)
 
     def steps_per_call(self) -> int:
-        """Steps for the next engine call: 1 while rows wait to join or a drain waits, else
-        enough that the event loop's CPU time per call (measured: the thread's CPU clock from
-        one call to the next) stays near ``LOOP_SHARE`` of the call, since it holds the GIL
-        the engine thread needs. A first token does not wait for the rest of a call: the engine
-        ends the call in the step that produced it."""
-        if self.fixed_steps_per_call is not None:
-            return self.fixed_steps_per_call
-        if self._step_s is None or self._loop_s is None or self._can_admit() or self._draining:
-            return 1
-        wanted = self._loop_s / (LOOP_SHARE * max(self._step_s, 1e-6))
-        return max(1, min(MAX_STEPS_PER_CALL, math.ceil(wanted)))
+        """Steps for the next engine call (``CallPacer``): 1 while rows wait to join or a
+        drain waits."""
+        return self.pacer.steps(single=self._can_admit() or self._draining)
 
     async def _step(self) -> None:
         self._steps += 1
-        mark = self.engine.loop_cpu_s()
-        if self._loop_mark is not None:
-            self._loop_s = _moving_average(self._loop_s, mark - self._loop_mark)
-        self._loop_mark = mark
+        self.pacer.call_starts(self.engine.loop_cpu_s())
         steps = self.steps_per_call()
         started = trio.current_time()
         try:
@@ -423,8 +369,8 @@ class BatchGroup:
             await self._fail_all(lambda _row: Abandoned(message))
             return
         self._consecutive_faults = 0
-        self._raise_batch_limit()
-        self._step_s = _moving_average(self._step_s, (trio.current_time() - started) / steps)
+        self.limit.call_succeeded()
+        self.pacer.call_ended(trio.current_time() - started, steps)
         by_row = {m.row: k for k, m in self._members.items()}
         prefilled = decoded = 0
         for event in events:
@@ -495,7 +441,3 @@ class BatchGroup:
             await self.inbox.send(ReaderGone(key))
             return
         await self.inbox.send(BacklogDelivered(key))
-
-
-def _moving_average(average: float | None, sample: float) -> float:
-    return sample if average is None else 0.7 * average + 0.3 * sample

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ...actors.batch_group import MAX_STEPS_PER_CALL
+from ...actors.batch_policy import MAX_STEPS_PER_CALL
 from ...actors.config import RuntimeConfig
 from ...actors.faulty import FaultyEngine, RowFault, StepFault
 from ...actors.port import EnginePort

@@ -1,0 +1,103 @@
+"""The batch group's two sizing rules, each a small state machine of its own.
+
+:class:`CallPacer`: how many steps the next engine call runs. Every engine call costs the
+event loop some work (the thread hop, the group waking, the fan-out, each consumer waking) and
+that work holds the GIL the engine thread needs. When steps are fast (a GPU: 4 ms for one row,
+31 ms for 256) it would slow decoding down by a seventh at one row and by a third or more at
+256, so a call then runs several steps: as many as keep the loop's CPU time, measured call by
+call, near ``LOOP_SHARE`` of the call.
+
+:class:`BatchLimit`: how many rows the batch admits. A step that fails to allocate memory halves
+it; each ``RECOVER_AFTER_CALLS`` engine calls that succeed give one row back, up to
+``max_batch`` (additive increase, multiplicative decrease, as TCP's congestion window does;
+design/015-memory-budget.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+logger = logging.getLogger(__name__)
+
+# The event loop's CPU time per engine call (fan-out, consumers waking, HTTP streaming)
+# may add at most this share to the call's steps; it is measured as the calls run.
+LOOP_SHARE = 0.03
+# Bounds how long a row's tokens wait to be sent: 16 steps are 40-60 ms at one row on an H200,
+# 0.3 s at 256 rows.
+MAX_STEPS_PER_CALL = 16
+RECOVER_AFTER_CALLS = 8
+
+
+class CallPacer:
+    """Steps per engine call, from moving averages of a step's time and of the event loop's
+    CPU time per call (its thread's CPU clock from one call to the next)."""
+
+    def __init__(self, fixed: int | None = None) -> None:
+        """``fixed``: always this many steps a call (None: paced)."""
+        self.fixed = fixed
+        self._step_s: float | None = None
+        self._loop_s: float | None = None
+        self._loop_mark: float | None = None  # the loop thread's CPU clock at the last call
+
+    def call_starts(self, loop_cpu_s: float) -> None:
+        """A call begins; ``loop_cpu_s``: the loop's CPU clock now."""
+        if self._loop_mark is not None:
+            self._loop_s = _moving_average(self._loop_s, loop_cpu_s - self._loop_mark)
+        self._loop_mark = loop_cpu_s
+
+    def call_ended(self, seconds: float, steps: int) -> None:
+        self._step_s = _moving_average(self._step_s, seconds / steps)
+
+    def idle(self) -> None:
+        """No call for a while: the next one starts a new measurement of the loop."""
+        self._loop_mark = None
+
+    def steps(self, *, single: bool) -> int:
+        """Steps for the next call: 1 when ``single`` (rows wait to join, or a drain waits),
+        else enough to keep the loop's share near ``LOOP_SHARE``. A first token does not wait
+        for the rest of a call: the engine ends the call in the step that produced it."""
+        if self.fixed is not None:
+            return self.fixed
+        if self._step_s is None or self._loop_s is None or single:
+            return 1
+        wanted = self._loop_s / (LOOP_SHARE * max(self._step_s, 1e-6))
+        return max(1, min(MAX_STEPS_PER_CALL, math.ceil(wanted)))
+
+
+class BatchLimit:
+    """The rows the batch admits now: ``max_batch``, less after running out of memory."""
+
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max_batch
+        self.rows = max_batch
+        self.out_of_memory = 0  # engine calls that failed to allocate memory
+        self._calls_since_lowered = 0
+
+    def lower(self, rows_in_batch: int) -> None:
+        """After a failed allocation: admit at most half the rows that were in the batch."""
+        self.out_of_memory += 1
+        rows = max(1, min(self.rows, rows_in_batch))
+        self.rows = max(1, rows // 2)
+        self._calls_since_lowered = 0
+        logger.warning(
+            "the engine ran out of memory with %d row(s); the batch admits at most %d until "
+            "steps succeed again",
+            rows,
+            self.rows,
+        )
+
+    def call_succeeded(self) -> None:
+        """One row back every ``RECOVER_AFTER_CALLS`` calls that succeed."""
+        if self.rows >= self.max_batch:
+            return
+        self._calls_since_lowered += 1
+        if self._calls_since_lowered >= RECOVER_AFTER_CALLS:
+            self._calls_since_lowered = 0
+            self.rows += 1
+            if self.rows == self.max_batch:
+                logger.info("the batch admits up to max_batch (%d) rows again", self.max_batch)
+
+
+def _moving_average(average: float | None, sample: float) -> float:
+    return sample if average is None else 0.7 * average + 0.3 * sample
