@@ -134,11 +134,12 @@ class EngineCore:
         return events
 
     def serial_stop(self) -> None:
+        # The run's KV goes to the prompt cache as it closes: it no longer counts as a row's.
+        self._serial_request = None
         if self._serial is not None:
             self._serial.close()  # type: ignore[attr-defined]
         self._serial = None
         self._serial_generation = None
-        self._serial_request = None
         self._serial_progress.clear()
 
     # -- batch ------------------------------------------------------------------------------

@@ -153,8 +153,11 @@ def plan_budget(
     # At least a request of a KV step must fit, or nothing could ever be admitted.
     least = model.kv_bytes_per_row + 2 * model.kv_step * model.kv_bytes_per_token
     if pool < least:
+        given = (
+            format_bytes(total) if limit.bytes is not None else f"{limit}: {format_bytes(total)}"
+        )
         raise InvalidRequestError(
-            f"the memory limit ({limit}: {format_bytes(total)}) leaves no room for the KV cache "
+            f"the memory limit ({given}) leaves no room for the KV cache "
             f"after the weights ({format_bytes(model.weights)}) and the activations' headroom "
             f"({format_bytes(headroom)}); it needs at least "
             f"{format_bytes(model.weights + headroom + least)}",

@@ -171,4 +171,11 @@ def test_under_a_memory_budget_the_cache_keeps_to_what_the_live_rows_leave(loade
     run([prompt(20), prompt(21)])  # two rows project the whole pool
     assert cache.statistics().evictions >= stats.evictions + stats.entries
     assert 0 < cache.statistics().bytes <= core.memory.kv_pool
+    for _ in range(2):  # the serial lane too; its KV is kept, and the second run hits it
+        core.serial_start(core.engine.prepare(prompt(30), GREEDY))
+        while core.num_rows:
+            held = core.projected_kv_bytes()
+            assert cache.statistics().bytes + held <= core.memory.kv_pool
+            core.serial_step()
+    assert cache.statistics().hits == stats.hits + 1
     core.close()
