@@ -11,9 +11,7 @@ its prompt and ``i``, so outputs are the same alone or in any batch, and its tex
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -32,91 +30,38 @@ from ..engine.outputs import (
 from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt, check_fits, check_messages
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from ..engine.schedule import TokenBudget
-from ..engine.stops import StopStringMatcher
 from .port import ALWAYS_UP, EngineLiveness
+from .script import (
+    BYTES_PER_TOKEN,
+    EOS_TOKEN,
+    LOOP_CALL_S,
+    LOOP_ROW_S,
+    VOCAB_SIZE,
+    ExclusionViolation,
+    InjectedFault,
+    Script,
+    ScriptedRow,
+    ends,
+    expected_tokens,
+    merge_steps,
+    scripted_budget,
+    token_text,
+)
 
-VOCAB_SIZE = 1000
-EOS_TOKEN = 0
-BYTES_PER_TOKEN = 1024
-# The event loop's CPU time that the scripted engine charges per batch call and per row in it.
-LOOP_CALL_S = 400e-6
-LOOP_ROW_S = 25e-6
-
-
-class ExclusionViolation(AssertionError):
-    """The runtime broke the engine's mutual-exclusion contract."""
-
-
-class InjectedFault(RuntimeError):
-    """A fault the script was told to raise."""
-
-
-@dataclass(frozen=True, slots=True)
-class Script:
-    """What the scripted engine does besides generating.
-
-    ``fail_batch_steps`` / ``hang_batch_steps``: global batch step numbers (from 1) that raise or
-    never return. ``row_faults``: prompt text -> the generated-token index at which that row's
-    sampler raises. ``step_s``: simulated time per step; ``slow_steps`` overrides it per step.
-    ``budget``: the batch prefills by this token budget, as the real one does
-    (``engine/schedule.py``); None: every prompt ``prefill_chunk`` tokens a step.
-    """
-
-    step_s: float = 0.01
-    prefill_chunk: int = 64
-    budget: TokenBudget | None = None
-    context_length: int = 4096
-    batchable: bool = True
-    fail_batch_steps: frozenset[int] = frozenset()
-    hang_batch_steps: frozenset[int] = frozenset()
-    slow_steps: Mapping[int, float] = field(default_factory=dict)
-    row_faults: Mapping[str, int] = field(default_factory=dict)
-
-
-def scripted_budget(kv_pool_tokens: int) -> MemoryBudget:
-    """A memory budget whose KV pool holds ``kv_pool_tokens`` tokens of the scripted engine
-    (``BYTES_PER_TOKEN`` each, no allocation step): a small one makes admission wait."""
-    pool = kv_pool_tokens * BYTES_PER_TOKEN
-    return MemoryBudget(
-        limit=pool,
-        device=pool,
-        weights=0,
-        headroom=0,
-        kv_pool=pool,
-        kv_bytes_per_token=BYTES_PER_TOKEN,
-        kv_bytes_per_row=0,
-        kv_step=1,
-        cache_limit=0,
-    )
-
-
-def expected_tokens(prompt_tokens: tuple[int, ...], n: int) -> list[int]:
-    """The tokens the scripted engine generates for a prompt (never EOS)."""
-    seed = zlib.crc32(bytes(t % 256 for t in prompt_tokens))
-    return [1 + (seed + 7919 * i) % (VOCAB_SIZE - 1) for i in range(n)]
-
-
-def token_text(token: int) -> str:
-    return f"t{token} "
-
-
-@dataclass(slots=True)
-class _Row:
-    request: PreparedRequest
-    fault_at: int | None
-    prefilled: int = 0
-    generated: int = 0
-    parked: bool = False
-    preparing: bool = False  # admitted to the rows being prepared (with a token budget)
-    matcher: StopStringMatcher | None = None
-
-    def __post_init__(self) -> None:
-        self.matcher = StopStringMatcher(self.request.params.stop)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_tokens)
+__all__ = [
+    "BYTES_PER_TOKEN",
+    "EOS_TOKEN",
+    "LOOP_CALL_S",
+    "LOOP_ROW_S",
+    "VOCAB_SIZE",
+    "ExclusionViolation",
+    "InjectedFault",
+    "Script",
+    "ScriptedEngine",
+    "expected_tokens",
+    "scripted_budget",
+    "token_text",
+]
 
 
 class ScriptedEngine:
@@ -136,8 +81,8 @@ class ScriptedEngine:
         self._memory_budget = memory_budget
         self._model_id = model_id
         self._sampling_defaults = sampling_defaults
-        self._rows: dict[int, _Row] = {}
-        self._serial: _Row | None = None
+        self._rows: dict[int, ScriptedRow] = {}
+        self._serial: ScriptedRow | None = None
         self._next_row = 0
         self._in_call = False
         self.num_batch_steps = 0
@@ -250,7 +195,7 @@ class ScriptedEngine:
         await self._enter("serial_start", "serial")
         try:
             assert self._serial is None, "serial_start while a serial run is live"
-            self._serial = _Row(request, self._fault_at(request))
+            self._serial = ScriptedRow(request, self._fault_at(request))
         finally:
             self._leave()
 
@@ -265,7 +210,7 @@ class ScriptedEngine:
                 row.prefilled = min(row.prompt_len, row.prefilled + self.script.prefill_chunk)
                 return [RowProgress(0, row.prefilled, row.prompt_len)]
             event = self._emit(0, row)
-            if not isinstance(event, RowProgress) and _ends(event):
+            if not isinstance(event, RowProgress) and ends(event):
                 self._serial = None
             return [event]
         finally:
@@ -284,7 +229,7 @@ class ScriptedEngine:
             rows: list[int | Exception] = []
             for request in requests:
                 rows.append(self._next_row)
-                self._rows[self._next_row] = _Row(request, self._fault_at(request))
+                self._rows[self._next_row] = ScriptedRow(request, self._fault_at(request))
                 self._next_row += 1
             return rows
         finally:
@@ -298,7 +243,7 @@ class ScriptedEngine:
             self._first_token = False  # like the real engine, a first token ends the call
             while len(done) < steps and not self._first_token:
                 done.append(await self._one_step())
-            events = _merge_steps(done)
+            events = merge_steps(done)
             self._loop_cpu_s += LOOP_CALL_S + LOOP_ROW_S * len({e.row for e in events})
             return events
         finally:
@@ -326,11 +271,11 @@ class ScriptedEngine:
             self._first_token |= row.generated == 0
             event = self._emit(row_id, row)
             events.append(event)
-            if _ends(event):
+            if ends(event):
                 del self._rows[row_id]
         return events
 
-    def _chunks(self, active: dict[int, _Row]) -> dict[int, int]:
+    def _chunks(self, active: dict[int, ScriptedRow]) -> dict[int, int]:
         """Each prefilling row's prompt tokens this step: ``prefill_chunk`` each, or by the
         token budget: rows join the prepared ones in order while the preparation budget holds,
         and share the iteration budget's rest after one token per decoding row."""
@@ -390,7 +335,7 @@ class ScriptedEngine:
         text = "".join(chr(t) for t in request.prompt_tokens)
         return self.script.row_faults.get(text)
 
-    def _emit(self, row_id: int, row: _Row) -> RowEvent:
+    def _emit(self, row_id: int, row: ScriptedRow) -> RowEvent:
         if row.fault_at is not None and row.generated == row.fault_at:
             return RowFailed(row_id, f"injected sampler failure at token {row.generated}")
         params = row.request.params
@@ -423,37 +368,3 @@ class ScriptedEngine:
                 decode_s=0.0,
             )
         return RowOutput(row_id, delta, stats)
-
-
-def _ends(event: RowEvent) -> bool:
-    return isinstance(event, RowFailed) or (
-        isinstance(event, RowOutput) and event.stats is not None
-    )
-
-
-def _merge_steps(steps: Iterable[list[RowEvent]]) -> list[RowEvent]:
-    """The events of a call's steps as one list: for each row its latest progress, one output
-    with the tokens of every step, then its failure (what the real engine returns)."""
-    progress: dict[int, RowProgress] = {}
-    outputs: dict[int, RowOutput] = {}
-    failures: list[RowFailed] = []
-    for events in steps:
-        for event in events:
-            match event:
-                case RowProgress(row=row):
-                    progress[row] = event
-                case RowOutput(row=row):
-                    earlier = outputs.get(row)
-                    outputs[row] = event if earlier is None else _join(earlier, event)
-                case RowFailed():
-                    failures.append(event)
-    return [*progress.values(), *outputs.values(), *failures]
-
-
-def _join(first: RowOutput, then: RowOutput) -> RowOutput:
-    a, b = first.delta, then.delta
-    logprobs = None
-    if a.logprobs is not None or b.logprobs is not None:
-        logprobs = (a.logprobs or ()) + (b.logprobs or ())
-    delta = Delta(a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason)
-    return RowOutput(first.row, delta, then.stats)
