@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -27,17 +26,11 @@ from .batch_group import BatchGroup
 from .channels import take_buffered
 from .config import RuntimeConfig, RuntimeStatistics
 from .messages import (
-    CANCEL_REASONS,
-    Cancelled,
-    CancelReason,
-    Completed,
     Event,
-    Failed,
-    FailureCode,
     GenerationRequest,
     Lane,
-    describe,
 )
+from .outcomes import OutcomeTally
 from .port import EnginePort
 from .serial import SerialExecutor
 from .session import Session, SessionLinks
@@ -88,10 +81,7 @@ class Runtime:
         self._no_sessions = trio.Event()
         self._no_sessions.set()
         self._closed = False
-        self._completed = 0
-        self._cancelled: Counter[CancelReason] = Counter()
-        self._failed: Counter[FailureCode] = Counter()
-        self._rows_by_lane: Counter[str] = Counter()
+        self.outcomes = OutcomeTally()
 
     # -- submission -------------------------------------------------------------------------
 
@@ -228,7 +218,6 @@ class Runtime:
         assert self._sessions_nursery is not None, "the runtime is not running"
         self._sessions[session.id] = session
         self._no_sessions = trio.Event() if self._no_sessions.is_set() else self._no_sessions
-        self._rows_by_lane[lane] += 1
         self._sessions_nursery.start_soon(self._run_session, session, admission)
         return session, consumer_recv
 
@@ -245,34 +234,10 @@ class Runtime:
             await session.run(admission)
         finally:
             del self._sessions[session.id]
-            self._record(session)
+            assert session.outcome is not None, "a session ends with its outcome"
+            self.outcomes.record(session.id, session.lane, session.outcome)
             if not self._sessions:
                 self._no_sessions.set()
-
-    def _record(self, session: Session) -> None:
-        match session.outcome:
-            case Completed():
-                self._completed += 1
-            case Cancelled(reason=reason):
-                self._cancelled[reason] += 1
-            case Failed(code=code):
-                self._failed[code] += 1
-        outcome = session.outcome
-        assert outcome is not None
-        usage = outcome.usage if isinstance(outcome, Completed | Cancelled) else None
-        timings = ""
-        if isinstance(outcome, Completed):
-            t = outcome.timings
-            timings = f" queued={t.queued_s:.3f}s prefill={_seconds(t.prefill_s)}"
-            timings += f" decode={t.decode_s:.3f}s"
-        logger.info(
-            "session %s lane=%s %s completion_tokens=%s%s",
-            session.id,
-            session.lane,
-            describe(outcome),
-            usage.completion_tokens if usage else "-",
-            timings,
-        )
 
     def session(self, session_id: str) -> Session | None:
         """A live session by id (for cancellation by id)."""
@@ -316,8 +281,6 @@ class Runtime:
         serial = self.serial.statistics()
         holder = "exclusive" if arbiter.holder == "idle" else arbiter.holder
         mode = "draining" if arbiter.draining else (holder or "idle")
-        cancelled = {r: self._cancelled[r] for r in CANCEL_REASONS}
-        failed = dict(self._failed)
         batch_rate = self.batch_group.throughput.snapshot()
         serial_rate = self.serial.throughput.snapshot()
         return RuntimeStatistics(
@@ -329,9 +292,9 @@ class Runtime:
             pending_rows=batch.pending_rows,
             rows_submitted={"batch": batch.rows_submitted, "serial": serial.runs},
             drains=arbiter.drains,
-            completed=self._completed,
-            cancelled=cancelled,
-            failed=failed,
+            completed=self.outcomes.completed,
+            cancelled=self.outcomes.cancelled,
+            failed=self.outcomes.failed,
             refused=gate_stats.refused,
             engine_faults=batch.faults + serial.faults,
             stuck_steps=batch.stuck_steps + serial.stuck_steps,
@@ -365,10 +328,6 @@ class Runtime:
         # The lanes drop the departed sessions' rows at their next step, then go idle.
         with trio.move_on_after(self.config.step_timeout_s):
             await self.run_when_idle(_nothing)
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}s"
 
 
 async def _nothing() -> None:

@@ -20,6 +20,7 @@ from ..actors.messages import (
     Usage,
     describe,
 )
+from ..actors.outcomes import seconds
 from . import openai_format as fmt
 from .inprocess import SessionHandle
 from .metrics import Metrics
@@ -106,13 +107,9 @@ class Exchange:
             summary,
             usage.prompt_tokens,
             usage.completion_tokens,
-            _seconds(first and first.ttft_s),
-            _seconds(first and first.queued_s),
-            _seconds(first and first.prefill_s),
-            _seconds(first and first.decode_s),
+            seconds(first and first.ttft_s),
+            seconds(first and first.queued_s),
+            seconds(first and first.prefill_s),
+            seconds(first and first.decode_s),
             time.perf_counter() - self.started,
         )
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}s"
