@@ -43,7 +43,7 @@ from .arbiter import (
     Lease,
     ReleaseLease,
 )
-from .batch_policy import BatchLimit, CallPacer
+from .batch_policy import BatchLimit, CallPacer, FaultRecord
 from .channels import offer
 from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox, is_final
 from .port import EnginePort
@@ -142,16 +142,12 @@ class BatchGroup:
         self._nursery: trio.Nursery | None = None
         self._rows_submitted = 0
         self._steps = 0
-        self._faults = 0
-        self._stuck = 0
-        self._consecutive_faults = 0
+        self.record = FaultRecord()
         self._parks = 0
-        # The engine generation of the rows in the batch, of the last fault and of the last
-        # stuck step: a restarted engine starts with a clean record, and knows none of the rows.
         self.throughput = ThroughputMeter()
+        # The engine generation the rows in the batch were added to: a restarted engine knows
+        # none of them.
         self._rows_generation = 0
-        self._fault_generation = 0
-        self._stuck_generation: int | None = None
 
     def statistics(self) -> BatchStatistics:
         parked = sum(1 for m in self._members.values() if m.parked)
@@ -162,12 +158,10 @@ class BatchGroup:
             pending_rows=len(self._pending),
             rows_submitted=self._rows_submitted,
             steps=self._steps,
-            faults=self._faults,
-            stuck_steps=self._stuck,
-            consecutive_faults=(
-                self._consecutive_faults if self._fault_generation == generation else 0
-            ),
-            is_stuck=self._stuck_generation == generation,
+            faults=self.record.faults,
+            stuck_steps=self.record.stuck,
+            consecutive_faults=self.record.consecutive(generation),
+            is_stuck=self.record.is_stuck(generation),
             parks=self._parks,
             holds_lease=self._lease is not None,
             draining=self._draining,
@@ -209,8 +203,7 @@ class BatchGroup:
 
     async def _engine_failed(self, what: str, exc: Exception) -> None:
         """Count the fault, log it, fail every row with it and rebuild the batch."""
-        self._faults += 1
-        self._count_consecutive_fault()
+        self.record.failed(self.engine.liveness().generation)
         logger.error("%s failed; failing %d row(s)", what, len(self._members), exc_info=exc)
         if is_out_of_memory(exc):
             self.limit.lower(len(self._members))
@@ -257,12 +250,6 @@ class BatchGroup:
             and len(self._members) < self.limit.rows
             and self.engine.liveness().is_up
         )
-
-    def _count_consecutive_fault(self) -> None:
-        generation = self.engine.liveness().generation
-        if self._fault_generation != generation:
-            self._fault_generation, self._consecutive_faults = generation, 0
-        self._consecutive_faults += 1
 
     async def _leave_a_dead_engine(self) -> None:
         """Rows of an engine that died, or that is gone for good, end here: the rows in the
@@ -330,7 +317,7 @@ class BatchGroup:
             raise
         for add, row in zip(adds, rows, strict=True):
             if isinstance(row, Exception):  # the batch is unchanged: only this row fails
-                self._faults += 1
+                self.record.faults += 1
                 logger.error("the engine could not add a row", exc_info=row)
                 offer(add.events, LaneFailed(f"engine error: {type(row).__name__}: {row}"))
                 continue
@@ -361,14 +348,12 @@ class BatchGroup:
             await self._engine_failed("batch step", exc)
             return
         if watchdog.cancelled_caught:
-            self._stuck += 1
-            self._stuck_generation = self.engine.liveness().generation
-            self._count_consecutive_fault()
+            self.record.got_stuck(self.engine.liveness().generation)
             logger.error("batch step exceeded the %.1f s watchdog", self.step_timeout_s)
             message = f"an engine step took longer than the {self.step_timeout_s:g} s watchdog"
             await self._fail_all(lambda _row: Abandoned(message))
             return
-        self._consecutive_faults = 0
+        self.record.succeeded()
         self.limit.call_succeeded()
         self.pacer.call_ended(trio.current_time() - started, steps)
         by_row = {m.row: k for k, m in self._members.items()}

@@ -101,3 +101,39 @@ class BatchLimit:
 
 def _moving_average(average: float | None, sample: float) -> float:
     return sample if average is None else 0.7 * average + 0.3 * sample
+
+
+class FaultRecord:
+    """A lane's faults: every one counted, and the consecutive ones and stuck steps of the
+    engine generation they happened in, so that a restarted engine starts with a clean record
+    while the totals stay."""
+
+    def __init__(self) -> None:
+        self.faults = 0  # engine calls that raised
+        self.stuck = 0  # steps past the watchdog
+        self._consecutive = 0
+        self._fault_generation = 0
+        self._stuck_generation: int | None = None
+
+    def failed(self, generation: int, *, counted: bool = True) -> None:
+        """An engine call raised (``counted``) or passed the watchdog (then :meth:`stuck`)."""
+        self.faults += counted
+        if self._fault_generation != generation:
+            self._fault_generation, self._consecutive = generation, 0
+        self._consecutive += 1
+
+    def got_stuck(self, generation: int) -> None:
+        self.stuck += 1
+        self._stuck_generation = generation
+        self.failed(generation, counted=False)
+
+    def succeeded(self) -> None:
+        self._consecutive = 0
+
+    def consecutive(self, generation: int) -> int:
+        """Faults in a row since the last call that did not fault, on ``generation``."""
+        return self._consecutive if self._fault_generation == generation else 0
+
+    def is_stuck(self, generation: int) -> bool:
+        """Whether a step of ``generation`` passed the watchdog: that engine is wedged."""
+        return self._stuck_generation == generation
