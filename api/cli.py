@@ -15,6 +15,7 @@ from ..engine.errors import MlxTrioError
 from ..engine.params import SamplingParams
 from ..engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
 from . import bench as bench_harness
+from .chaos import command as chaos_command
 
 logger = logging.getLogger("mlx_trio.cli")
 
@@ -200,23 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos = commands.add_parser(
         "chaos", help="run a randomized workload with injected faults and check the invariants"
     )
-    chaos.add_argument("--seed", type=int, default=0)
-    chaos.add_argument("--requests", type=int, default=200)
-    chaos.add_argument(
-        "--faults", default="all", help="comma-separated fault kinds, or 'all' (see --list)"
-    )
-    chaos.add_argument("--list", action="store_true", help="list the fault kinds and exit")
-    chaos.add_argument(
-        "--model",
-        default=None,
-        help="run on a real model ('default' for the embedded one); default: the scripted engine",
-    )
-    chaos.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    chaos.add_argument(
-        "--http",
-        action="store_true",
-        help="drive the plan with HTTP clients against the real server (real time)",
-    )
+    chaos_command.add_arguments(chaos)
 
     pull = commands.add_parser("pull", help="fetch and import the embedded default model")
     pull.add_argument("--force", action="store_true", help="re-download and re-import")
@@ -322,46 +307,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chaos(args: argparse.Namespace) -> int:
-    from functools import partial
-
-    import trio
-    import trio.testing
-
-    from .chaos import FAULT_KINDS, FaultPlan, run_on_model, run_scripted
-
-    if args.list:
-        print("\n".join(FAULT_KINDS))
-        return 0
-    kinds = FAULT_KINDS if args.faults == "all" else tuple(k for k in args.faults.split(",") if k)
-    if args.log_level != "DEBUG":  # the injected faults are logged as errors; the table says it all
-        logging.getLogger("mlx_trio.actors").setLevel(logging.CRITICAL)
-        for name in ("mlx_trio.http", "mlx_trio.server", "hypercorn", "httpx"):  # lines per request
-            logging.getLogger(name).setLevel(logging.WARNING)
-    over = "over HTTP" if args.http else "in-process"
-    try:  # a model's steps are slower: its plan is paced for 100 ms steps
-        step_s = 0.01 if args.model is None else 0.1
-        plan = FaultPlan.generate(args.seed, args.requests, kinds, step_s=step_s)
-    except ValueError as exc:
-        raise MlxTrioError(str(exc)) from None
-    if args.model is None:
-        if args.http:  # sockets need real time: FaultPlan.generate paces the plan for 10 ms steps
-            logger.info("chaos: %d requests on the scripted engine, over HTTP", args.requests)
-            report = trio.run(partial(run_scripted, plan, step_s=0.01, http=True))
-        else:
-            logger.info("chaos: %d requests on the scripted engine (virtual time)", args.requests)
-            clock = trio.testing.MockClock(autojump_threshold=0)
-            report = trio.run(run_scripted, plan, clock=clock)
-    else:
-        model = None if args.model == "default" else args.model
-        logger.info(
-            "chaos: %d requests on %s, %s (fault-free pass first)", args.requests, args.model, over
-        )
-        report = trio.run(partial(run_on_model, plan, model, device=args.device, http=args.http))
-    print(report.table())
-    return 0 if report.ok else 1
-
-
 def _pull(args: argparse.Namespace) -> int:
     from ..engine.model_store import pull_default_model
 
@@ -384,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             case "serve":
                 return _serve(args)
             case "chaos":
-                return _chaos(args)
+                return chaos_command.run(args)
             case "pull":
                 return _pull(args)
             case "bench":
