@@ -16,6 +16,7 @@ from .generate import Engine, Generation
 from .outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
 from .params import PreparedRequest
 from .sampling import repair_random_state
+from .threads import ThreadChooser, shape
 
 SERIAL_ROW = 0
 
@@ -38,6 +39,9 @@ class EngineCore:
         self.kv_bytes = 0
         self.batch_steps_run = 0  # batch steps run (a call may stop short of those asked)
         self._steps_counted = 0  # the current batch's steps_run, as of its last call
+        # OpenBLAS's thread count, chosen per call from the calls' times (CPU only).
+        self._threads = ThreadChooser.for_device(engine.loaded.device)
+        self._serial_prefilled = False  # the serial run's first step (its prompt) is done
 
     @property
     def num_rows(self) -> int:
@@ -58,10 +62,16 @@ class EngineCore:
         generation = self.engine.generate(request, on_progress=progress)
         self._serial_generation = generation
         self._serial = iter(generation)
+        self._serial_prefilled = False
 
     def serial_step(self) -> list[RowEvent]:
         assert self._serial is not None and self._serial_generation is not None
+        if self._threads is not None:
+            self._threads.begin(shape("decode" if self._serial_prefilled else "prefill", 1))
         delta = next(self._serial)
+        self._serial_prefilled = True
+        if self._threads is not None:
+            self._threads.end(1)
         events: list[RowEvent] = list(self._serial_progress)
         self._serial_progress.clear()
         stats = self._serial_generation.stats() if delta.finish_reason else None
@@ -117,7 +127,13 @@ class EngineCore:
 
     def batch_step(self, steps: int = 1) -> list[RowEvent]:
         batch = self._the_batch()
-        events = batch.step(steps)
+        if self._threads is None:
+            events = batch.step(steps)
+        else:
+            before = batch.steps_run
+            self._threads.begin(batch.shape())
+            events = batch.step(steps)
+            self._threads.end(batch.steps_run - before)
         # Steps run ahead of the call count as its own.
         self.batch_steps_run += batch.steps_run - self._steps_counted
         self._steps_counted = batch.steps_run
@@ -147,6 +163,8 @@ class EngineCore:
         if self._batch is not None:
             self._batch.close()
             self._batch = None
+        if self._threads is not None:
+            self._threads.close()
 
 
 def clear_thread_streams() -> None:

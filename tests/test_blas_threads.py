@@ -1,0 +1,100 @@
+"""OpenBLAS's thread count, chosen call by call from the engine's own step times.
+
+A simulated clock and simulated steps: one thread or two is faster depending on whether the
+machine is busy, as measured on 2 cores (design/017), and the chooser must follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from mlx_trio.engine import _blas
+from mlx_trio.engine.threads import MAX_INTERVAL_S, ThreadChooser, shape
+
+QUIET = {1: 0.150, 2: 0.105}  # seconds a step of 8 rows, nothing else running
+BUSY = {1: 0.300, 2: 2.400}  # the same while other processes take the cores
+
+
+class Machine:
+    """Steps that take the time the current thread count and the machine's load say."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.threads = 1
+        self.switches: list[int] = []
+        self.step_s = QUIET
+
+    def set_threads(self, count: int) -> None:
+        self.threads = count
+        self.switches.append(count)
+
+    def chooser(self) -> ThreadChooser:
+        return ThreadChooser((1, 2), self.set_threads, clock=lambda: self.now)
+
+    def run(self, chooser: ThreadChooser, calls: int, rows: int = 8, kind: str = "decode") -> list:
+        """``calls`` calls of one shape; the thread count of each."""
+        counts = []
+        for _ in range(calls):
+            chooser.begin(shape(kind, rows))
+            counts.append(self.threads)
+            self.now += self.step_s[self.threads]
+            chooser.end(1)
+        return counts
+
+
+def test_on_a_quiet_machine_two_threads_take_over_within_a_few_calls() -> None:
+    machine = Machine()
+    chooser = machine.chooser()
+    counts = machine.run(chooser, 50)
+    assert counts[:3] == [1, 1, 1]  # it starts at one thread, the safe count
+    assert 2 in counts[:5]
+    assert counts[-40:].count(1) <= 2  # a probe of one thread now and then
+    assert chooser.statistics().counts == {("decode", 8): 2}
+    # A shape met later starts where the others are.
+    assert machine.run(chooser, 1, rows=1) == [2]
+
+
+def test_on_a_busy_machine_it_keeps_one_thread_and_probes_two_ever_more_rarely() -> None:
+    machine = Machine()
+    machine.step_s = BUSY
+    chooser = machine.chooser()
+    counts = machine.run(chooser, 2000)  # 10 minutes of 0.3 s steps
+    stats = chooser.statistics()
+    assert stats.counts == {("decode", 8): 1} and stats.switches == 0
+    assert counts.count(2) == stats.probes
+    assert stats.probes <= 6 + (600 // MAX_INTERVAL_S)  # 1, 2, 4 ... 32 s, then one a minute
+
+
+def test_when_the_machine_turns_busy_it_goes_back_to_one_thread() -> None:
+    machine = Machine()
+    chooser = machine.chooser()
+    assert machine.run(chooser, 50)[-1] == 2
+    machine.step_s = BUSY
+    counts = machine.run(chooser, 30)
+    assert counts[-20:].count(2) <= 2  # a probe of two threads now and then
+
+
+def test_a_thread_count_is_set_only_when_it_changes() -> None:
+    machine = Machine()
+    machine.step_s = {1: 0.1, 2: 0.1}  # no difference: probes lose and one thread stays
+    chooser = machine.chooser()
+    machine.run(chooser, 100)
+    probes = chooser.statistics().probes
+    assert machine.switches == [1] + [2, 1] * probes
+
+
+@pytest.mark.parametrize(
+    ("device", "environment", "chooses"),
+    [("cpu", {}, True), ("gpu", {}, False), ("cpu", {"OPENBLAS_NUM_THREADS": "2"}, False)],
+)
+def test_the_engine_chooses_only_on_cpu_and_never_over_a_count_the_user_set(
+    monkeypatch: pytest.MonkeyPatch, device: str, environment: dict, chooses: bool
+) -> None:
+    own: Callable[[], int] = lambda: 2  # noqa: E731  (OpenBLAS's own count on a 2-core machine)
+    monkeypatch.setattr(_blas, "own_threads", own)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert (ThreadChooser.for_device(device) is not None) == chooses
