@@ -11,12 +11,16 @@ So the engine times each call at the count it ran, by the call's shape (decoding
 prefilling, and how many rows, to a power of two), and now and then runs one call at the
 other count: if it was faster by ``MARGIN`` than the shape's last calls, that count stays for
 the shape and the next probe comes soon; if not, the next probe waits twice as long as the
-last, from ``FIRST_INTERVAL_S`` up to ``MAX_INTERVAL_S``. The probes' schedule is one for the
-whole engine, since what they find (the machine busy or not) holds for every shape: a machine
-whose cores are taken pays one slow call a minute, not one every few calls of each shape. A
-shape met for the first time starts at the count last chosen. A switch is one call into
-OpenBLAS (``openblas_set_num_threads``, 0.2 us; it applies from the next GEMM), made only when
-the count changes.
+last, from ``FIRST_INTERVAL_S`` up to ``MAX_INTERVAL_S``, and at least long enough that the
+time the probe lost is ``PROBE_SHARE`` of the wait: a prefill step that two threads on a busy
+machine stretch from 2 s to 20 s must not come back every minute. The probes' schedule is one
+for the whole engine, since what they find (the machine busy or not) held for every shape
+measured: a machine whose cores are taken pays for a few percent of its time in probes, not
+for one slow call every few calls of each shape. A call on several threads ``SLOWDOWN`` times
+slower than its shape's last ones (the cores were just taken) brings the next probe forward, to
+the shape's third call from then. A shape met for the first time starts at the count last
+chosen. A switch is one call into OpenBLAS (``openblas_set_num_threads``, 0.2 us; it applies
+from the next GEMM), made only when the count changes.
 
 Only where it can matter: OpenBLAS loaded (Linux x86-64, the CPU device), more than one core,
 and no ``OPENBLAS_NUM_THREADS`` in the environment (a count the user set is kept).
@@ -43,6 +47,8 @@ RECENT = 3  # calls at the shape's count a probe is compared with
 FRESH_S = 10.0  # calls older than this say nothing about the machine now
 FIRST_INTERVAL_S = 1.0
 MAX_INTERVAL_S = 60.0
+PROBE_SHARE = 0.03  # at most this share of the time goes to what losing probes lose
+SLOWDOWN = 2.0  # a call this much slower than the shape's last ones brings the next probe now
 
 
 def shape(kind: str, rows: int) -> Shape:
@@ -133,6 +139,13 @@ class ThreadChooser:
         per_step = (now - began) / steps
         state = self._shapes[call_shape]
         if not probe:
+            usual = statistics.median(state.recent) if len(state.recent) == RECENT else None
+            if usual is not None and per_step > SLOWDOWN * usual and count != self._counts[0]:
+                # The machine changed (other processes took the cores): look again now,
+                # against calls from after the change. (At one thread a busier machine makes
+                # more threads only worse: no probe for that.)
+                state.recent.clear()
+                self._probe_at = now
             state.recent.append(per_step)
             return
         self._probes += 1
@@ -153,7 +166,8 @@ class ThreadChooser:
             self._switches += 1
             self._interval = FIRST_INTERVAL_S
         else:
-            self._interval = min(2 * self._interval, MAX_INTERVAL_S)
+            lost = max(per_step - usual, 0.0) * steps
+            self._interval = max(min(2 * self._interval, MAX_INTERVAL_S), lost / PROBE_SHARE)
         self._probe_at = now + self._interval
 
     def close(self, count: int = 1) -> None:
