@@ -6,21 +6,25 @@ processes kept the cores busy: OpenBLAS splits each GEMM between its threads, an
 the kernel has descheduled holds the other up until its next time slice, for each of the
 hundreds of GEMMs of a step. Neither fixed count is safe, and the one measure that covers
 both cases (and CPU quotas, and whatever the event loop takes meanwhile) is the step itself.
+Which count wins was the same for every step measured, one row or 32, decoding or prefilling:
+it depends on the machine, not on the step. So there is one count for the engine.
 
-So the engine times each call at the count it ran, by the call's shape (decoding or
-prefilling, and how many rows, to a power of two), and now and then runs one call at the
-other count: if it was faster by ``MARGIN`` than the shape's last calls, that count stays for
-the shape and the next probe comes soon; if not, the next probe waits twice as long as the
-last, from ``FIRST_INTERVAL_S`` up to ``MAX_INTERVAL_S``, and at least long enough that the
-time the probe lost is ``PROBE_SHARE`` of the wait: a prefill step that two threads on a busy
-machine stretch from 2 s to 20 s must not come back every minute. The probes' schedule is one
-for the whole engine, since what they find (the machine busy or not) held for every shape
-measured: a machine whose cores are taken pays for a few percent of its time in probes, not
-for one slow call every few calls of each shape. A call on several threads ``SLOWDOWN`` times
-slower than its shape's last ones (the cores were just taken) brings the next probe forward, to
-the shape's third call from then. A shape met for the first time starts at the count last
-chosen. A switch is one call into OpenBLAS (``openblas_set_num_threads``, 0.2 us; it applies
-from the next GEMM), made only when the count changes.
+The engine times each call, by its shape (decoding or prefilling, and how many rows, to a
+power of two), and now and then runs one call at the other count, a probe, between two calls
+of the same shape at the engine's count: the probe is compared with their mean, so that a
+cost that grows from call to call (a prompt's chunks against a longer and longer context, a
+KV cache that grows) does not count for or against it. If the probe was faster by ``MARGIN``,
+its count becomes the engine's and the next probe comes soon; if not, the next probe waits
+twice as long as the last, from ``FIRST_INTERVAL_S`` up to ``MAX_INTERVAL_S``, and at least
+long enough that the time the probe lost is ``PROBE_SHARE`` of the wait: a prefill step that
+two threads on a busy machine stretch from 2 s to 20 s must not come back every minute. A
+probe whose shape changes before the call after it is dropped.
+
+Since a busy machine can keep probes away for minutes, a change of the machine brings the
+next probe forward: a call on several threads ``SLOWDOWN`` times slower than its shape's last
+ones (the cores were just taken), or one on one thread ``SPEEDUP`` times faster (they were
+just given back). A switch is one call into OpenBLAS (``openblas_set_num_threads``, 0.2 us; it
+applies from the next GEMM), made only when the count changes.
 
 Only where it can matter: OpenBLAS loaded (Linux x86-64, the CPU device), more than one core,
 and no ``OPENBLAS_NUM_THREADS`` in the environment (a count the user set is kept).
@@ -29,6 +33,7 @@ and no ``OPENBLAS_NUM_THREADS`` in the environment (a count the user set is kept
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -42,13 +47,14 @@ logger = logging.getLogger(__name__)
 
 Shape = tuple[str, int]  # ("decode" | "prefill", rows to a power of two)
 
-MARGIN = 0.1  # a probe must beat the shape's recent calls by this share to take over
-RECENT = 3  # calls at the shape's count a probe is compared with
+MARGIN = 0.1  # a probe must beat the calls around it by this share to take over
+RECENT = 3  # a shape's last calls, against which a slowdown or a speed-up shows
 FRESH_S = 10.0  # calls older than this say nothing about the machine now
 FIRST_INTERVAL_S = 1.0
 MAX_INTERVAL_S = 60.0
 PROBE_SHARE = 0.03  # at most this share of the time goes to what losing probes lose
-SLOWDOWN = 2.0  # a call this much slower than the shape's last ones brings the next probe now
+SLOWDOWN = 2.0  # a call on several threads this much slower brings the next probe now
+SPEEDUP = 1.5  # a call on one thread this much faster brings the next probe now
 
 
 def shape(kind: str, rows: int) -> Shape:
@@ -58,16 +64,27 @@ def shape(kind: str, rows: int) -> Shape:
 
 @dataclass(slots=True)
 class _ShapeState:
-    count: int
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
-    last_at: float = 0.0  # when its last call began
+    last_at: float = -math.inf  # when its last call began
+
+
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """A probe waiting for the call after it: its shape and count, its time a step and steps,
+    and the time a step of the call before it."""
+
+    shape: Shape
+    count: int
+    per_step: float
+    steps: int
+    before: float
 
 
 @dataclass(frozen=True, slots=True)
 class ThreadStatistics:
-    """The count each shape runs at, and how many probes ran and won (switched)."""
+    """The engine's count now, and how many probes ran and won (switched)."""
 
-    counts: dict[Shape, int]
+    count: int
     probes: int
     switches: int
 
@@ -86,14 +103,16 @@ class ThreadChooser:
         *,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``counts``: one thread (the safe count, where it starts) and the other."""
         self._counts = counts
         self._set_threads = set_threads
         self._clock = clock
+        self._count = counts[0]
         self._shapes: dict[Shape, _ShapeState] = {}
-        self._preferred = counts[0]  # the count last chosen: where a new shape starts
         self._current: int | None = None  # what OpenBLAS runs now, if we set it
         self._interval = FIRST_INTERVAL_S
         self._probe_at = clock()
+        self._probe: _Probe | None = None
         self._probes = 0
         self._switches = 0
         # The call in flight: its shape, its count, whether it probes, when it began.
@@ -109,19 +128,18 @@ class ThreadChooser:
         return cls((1, own))
 
     def begin(self, call_shape: Shape) -> None:
-        """Set the count for a call of ``call_shape``: the shape's, or the other one for a
+        """Set the count for a call of ``call_shape``: the engine's, or the other one for a
         probe that is due."""
-        state = self._shapes.get(call_shape)
-        if state is None:
-            state = self._shapes[call_shape] = _ShapeState(self._preferred)
-        count = state.count
+        state = self._shapes.setdefault(call_shape, _ShapeState())
         now = self._clock()
         if now - state.last_at > FRESH_S:
             state.recent.clear()
         state.last_at = now
-        probe = len(state.recent) == RECENT and now >= self._probe_at
-        if probe:
-            count = self._other(count)
+        if self._probe is not None and self._probe.shape != call_shape:
+            self._probe = None  # no call after it to compare with: look again soon
+            self._probe_at = now + FIRST_INTERVAL_S
+        probe = self._probe is None and bool(state.recent) and now >= self._probe_at
+        count = self._other() if probe else self._count
         if count != self._current:
             self._set_threads(count)
             self._current = count
@@ -138,35 +156,47 @@ class ThreadChooser:
             return
         per_step = (now - began) / steps
         state = self._shapes[call_shape]
-        if not probe:
-            usual = statistics.median(state.recent) if len(state.recent) == RECENT else None
-            if usual is not None and per_step > SLOWDOWN * usual and count != self._counts[0]:
-                # The machine changed (other processes took the cores): look again now,
-                # against calls from after the change. (At one thread a busier machine makes
-                # more threads only worse: no probe for that.)
-                state.recent.clear()
-                self._probe_at = now
-            state.recent.append(per_step)
+        if probe:
+            self._probes += 1
+            self._probe = _Probe(call_shape, count, per_step, steps, state.recent[-1])
             return
-        self._probes += 1
-        usual = statistics.median(state.recent)
-        if per_step < (1 - MARGIN) * usual:
-            logger.info(
-                "OpenBLAS threads for %s steps of %d rows: %d (%.0f ms a step, against %.0f "
-                "ms at %d)",
-                *call_shape,
-                count,
-                per_step * 1000,
-                usual * 1000,
-                state.count,
-            )
-            state.count = self._preferred = count
+        if self._probe is not None:
+            self._decide(self._probe, (self._probe.before + per_step) / 2, now)
+            self._probe = None
+        elif self._machine_changed(state, count, per_step):
             state.recent.clear()
-            state.recent.append(per_step)
+            self._probe_at = now
+        state.recent.append(per_step)
+
+    def _machine_changed(self, state: _ShapeState, count: int, per_step: float) -> bool:
+        """Whether a call says the machine changed: on several threads ``SLOWDOWN`` times
+        slower than its shape's last calls, or on one ``SPEEDUP`` times faster."""
+        if not state.recent:
+            return False
+        usual = statistics.median(state.recent)
+        if count == self._counts[0]:
+            return per_step * SPEEDUP < usual
+        return per_step > SLOWDOWN * usual
+
+    def _decide(self, probe: _Probe, usual: float, now: float) -> None:
+        """Make the probe's count the engine's if it beat ``usual`` (the calls around it),
+        and schedule the next probe."""
+        if probe.per_step < (1 - MARGIN) * usual:
+            logger.info(
+                "OpenBLAS threads: %d (%s steps of %d rows: %.0f ms a step, against %.0f ms at %d)",
+                probe.count,
+                *probe.shape,
+                probe.per_step * 1000,
+                usual * 1000,
+                self._count,
+            )
+            self._count = probe.count
             self._switches += 1
             self._interval = FIRST_INTERVAL_S
+            for state in self._shapes.values():
+                state.recent.clear()  # times at the other count
         else:
-            lost = max(per_step - usual, 0.0) * steps
+            lost = max(probe.per_step - usual, 0.0) * probe.steps
             self._interval = max(min(2 * self._interval, MAX_INTERVAL_S), lost / PROBE_SHARE)
         self._probe_at = now + self._interval
 
@@ -177,10 +207,9 @@ class ThreadChooser:
             self._set_threads(count)
         self._current = None
 
-    def _other(self, count: int) -> int:
+    def _other(self) -> int:
         first, second = self._counts
-        return second if count == first else first
+        return second if self._count == first else first
 
     def statistics(self) -> ThreadStatistics:
-        counts = {s: state.count for s, state in self._shapes.items()}
-        return ThreadStatistics(counts, self._probes, self._switches)
+        return ThreadStatistics(self._count, self._probes, self._switches)

@@ -48,11 +48,11 @@ def test_on_a_quiet_machine_two_threads_take_over_within_a_few_calls() -> None:
     machine = Machine()
     chooser = machine.chooser()
     counts = machine.run(chooser, 50)
-    assert counts[:3] == [1, 1, 1]  # it starts at one thread, the safe count
-    assert 2 in counts[:5]
+    # It starts at one thread, the safe count; a probe at two between two calls at one wins.
+    assert counts[:4] == [1, 2, 1, 2]
     assert counts[-40:].count(1) <= 2  # a probe of one thread now and then
-    assert chooser.statistics().counts == {("decode", 8): 2}
-    # A shape met later starts where the others are.
+    assert chooser.statistics().count == 2
+    # It is the machine's answer, not the step's: a step of another shape runs at it too.
     assert machine.run(chooser, 1, rows=1) == [2]
 
 
@@ -62,7 +62,7 @@ def test_on_a_busy_machine_it_keeps_one_thread_and_its_probes_cost_little() -> N
     chooser = machine.chooser()
     counts = machine.run(chooser, 2000)  # 10 minutes of 0.3 s steps
     stats = chooser.statistics()
-    assert stats.counts == {("decode", 8): 1} and stats.switches == 0
+    assert stats.count == 1 and stats.switches == 0
     assert counts.count(2) == stats.probes >= 2  # it keeps looking, now and then
     lost = stats.probes * (BUSY[2] - BUSY[1])
     assert lost / machine.now < 2 * PROBE_SHARE
@@ -75,8 +75,33 @@ def test_when_the_machine_turns_busy_it_goes_back_to_one_thread() -> None:
     machine.run(chooser, 3000)  # long enough for the probes to come a minute apart
     machine.step_s = BUSY
     counts = machine.run(chooser, 30)
-    assert counts[:4] == [2, 2, 2, 1]  # the slowdown brings a probe at once, which wins
+    assert counts[:4] == [2, 1, 2, 1]  # the slowdown brings a probe at once, which wins
     assert counts[4:].count(2) <= 2  # a probe of two threads now and then
+
+
+def test_when_the_machine_quiets_down_it_goes_back_to_two_threads_soon() -> None:
+    machine = Machine()
+    machine.step_s = {1: 0.3, 2: 6.0}  # so busy that a probe puts the next off for minutes
+    chooser = machine.chooser()
+    machine.run(chooser, 1000)
+    machine.step_s = QUIET
+    counts = machine.run(chooser, 10)
+    assert counts[-5:] == [2] * 5  # one thread's steps got faster: a probe, which won
+
+
+def test_a_cost_that_grows_from_call_to_call_neither_hides_nor_fakes_a_gain() -> None:
+    def grow(machine: Machine, chooser: ThreadChooser, two_over_one: float) -> None:
+        for n in range(30):  # each call 10% dearer than the last, as a prompt's later chunks
+            cost = 0.1 * 1.1**n
+            machine.step_s = {1: cost, 2: cost * two_over_one}
+            machine.run(chooser, 1, kind="prefill")
+
+    machine = Machine()
+    chooser = machine.chooser()
+    grow(machine, chooser, 1.02)  # two threads no faster
+    assert chooser.statistics().count == 1
+    grow(machine, chooser, 0.85)  # two threads 15% faster: the last calls were far cheaper
+    assert chooser.statistics().count == 2
 
 
 def test_a_thread_count_is_set_only_when_it_changes() -> None:
