@@ -14,16 +14,17 @@ power of two), and now and then runs one call at the other count, a probe, betwe
 of the same shape at the engine's count: the probe is compared with their mean, so that a
 cost that grows from call to call (a prompt's chunks against a longer and longer context, a
 KV cache that grows) does not count for or against it. If the probe was faster by ``MARGIN``,
-its count becomes the engine's and the next probe comes soon; if not, the next probe waits
-twice as long as the last, from ``FIRST_INTERVAL_S`` up to ``MAX_INTERVAL_S``, and at least
-long enough that the time the probe lost is ``PROBE_SHARE`` of the wait: a prefill step that
-two threads on a busy machine stretch from 2 s to 20 s must not come back every minute. A
-probe whose shape changes before the call after it is dropped.
+its count becomes the engine's; either way the next probe waits ``MIN_INTERVAL_S``, and long
+enough that what the probe lost is ``PROBE_SHARE`` of the wait: on an idle machine a probe of
+one thread loses a third of a step, and comes back within seconds (so that the cores being
+taken shows soon); on a busy one a probe of two threads can stretch a prefill step from 2 s
+to 20 s, and comes back ten minutes later. A probe whose shape changes before the call after
+it is dropped.
 
-Since a busy machine can keep probes away for minutes, a change of the machine brings the
-next probe forward: a call on several threads ``SLOWDOWN`` times slower than its shape's last
-ones (the cores were just taken), or one on one thread ``SPEEDUP`` times faster (they were
-just given back). A switch is one call into OpenBLAS (``openblas_set_num_threads``, 0.2 us; it
+Since a busy machine keeps probes away for minutes, a change of the machine brings the next
+probe forward: a call on several threads ``SLOWDOWN`` times slower than its shape's last ones
+(the cores were just taken), or one on one thread ``SPEEDUP`` times faster (they were just
+given back). A switch is one call into OpenBLAS (``openblas_set_num_threads``, 0.2 us; it
 applies from the next GEMM), made only when the count changes.
 
 Only where it can matter: OpenBLAS loaded (Linux x86-64, the CPU device), more than one core,
@@ -50,8 +51,7 @@ Shape = tuple[str, int]  # ("decode" | "prefill", rows to a power of two)
 MARGIN = 0.1  # a probe must beat the calls around it by this share to take over
 RECENT = 3  # a shape's last calls, against which a slowdown or a speed-up shows
 FRESH_S = 10.0  # calls older than this say nothing about the machine now
-FIRST_INTERVAL_S = 1.0
-MAX_INTERVAL_S = 60.0
+MIN_INTERVAL_S = 1.0  # between probes
 PROBE_SHARE = 0.03  # at most this share of the time goes to what losing probes lose
 SLOWDOWN = 2.0  # a call on several threads this much slower brings the next probe now
 SPEEDUP = 1.5  # a call on one thread this much faster brings the next probe now
@@ -110,7 +110,6 @@ class ThreadChooser:
         self._count = counts[0]
         self._shapes: dict[Shape, _ShapeState] = {}
         self._current: int | None = None  # what OpenBLAS runs now, if we set it
-        self._interval = FIRST_INTERVAL_S
         self._probe_at = clock()
         self._probe: _Probe | None = None
         self._probes = 0
@@ -137,7 +136,7 @@ class ThreadChooser:
         state.last_at = now
         if self._probe is not None and self._probe.shape != call_shape:
             self._probe = None  # no call after it to compare with: look again soon
-            self._probe_at = now + FIRST_INTERVAL_S
+            self._probe_at = now + MIN_INTERVAL_S
         probe = self._probe is None and bool(state.recent) and now >= self._probe_at
         count = self._other() if probe else self._count
         if count != self._current:
@@ -192,13 +191,10 @@ class ThreadChooser:
             )
             self._count = probe.count
             self._switches += 1
-            self._interval = FIRST_INTERVAL_S
             for state in self._shapes.values():
                 state.recent.clear()  # times at the other count
-        else:
-            lost = max(probe.per_step - usual, 0.0) * probe.steps
-            self._interval = max(min(2 * self._interval, MAX_INTERVAL_S), lost / PROBE_SHARE)
-        self._probe_at = now + self._interval
+        lost = max(probe.per_step - usual, 0.0) * probe.steps
+        self._probe_at = now + max(MIN_INTERVAL_S, lost / PROBE_SHARE)
 
     def close(self, count: int = 1) -> None:
         """Leave OpenBLAS at ``count`` threads (the engine's own fixed count), if this changed
