@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from mlx_trio.api.bench import report
-from mlx_trio.api.bench.load import LoadResult, summarize
+from mlx_trio.api.bench.load_result import LoadResult, summarize
+from mlx_trio.api.bench.plan import plan
 from mlx_trio.api.bench.results import Measurement, SystemRecord, to_json
-from mlx_trio.api.bench.runner import plan
 from mlx_trio.api.bench.scenarios import SCENARIOS, parse_scenarios, prompt
 from mlx_trio.api.bench.stream import RequestResult
 from mlx_trio.api.bench.systems import SYSTEMS

@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .load import LoadResult
+from .load_result import LoadResult
 
 MB = 1024 * 1024
 

@@ -29,10 +29,13 @@ import trio
 
 from . import cpu_share, report
 from .goals import probe_line
-from .load import LoadResult, RequestResult, run_load, run_streams, summarize
+from .load import run_load, run_streams
+from .load_result import LoadResult, summarize
+from .plan import Run, plan, scenario_settings
 from .results import Measurement, SystemRecord, to_json
 from .scenarios import Scenario
 from .server_process import free_loopback_port, open_server, stop_process
+from .stream import RequestResult
 from .summary import pct
 from .systems import (
     BASELINE,
@@ -221,44 +224,6 @@ async def measure(target: Target, run: Run) -> Measurement:
     return Measurement(target.key, run.scenario.name, result, share, rss, run.round)
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
-    """One system loaded once: a scenario's level in one round, with its prompts from
-    ``prompt_offset`` on (the same for every system of that level and round)."""
-
-    scenario: Scenario
-    clients: int
-    key: str
-    round: int
-    prompt_offset: int
-
-
-def plan(
-    scenarios: Sequence[Scenario], keys: Sequence[str], levels: Sequence[int], rounds: int = 1
-) -> list[Run]:
-    """The runs in order: scenarios in turn, levels ascending in each (the scenario's own, else
-    ``levels``), ``rounds`` rounds of a level in a row, the systems' order rotating from round
-    to round and level to level (single-stream systems at level 1 only, and never in a scenario
-    with late streams).
-
-    Every level and round gets prompts of its own, after the warm-up's, so that no prompt is
-    sent twice to a server (whose prompt cache would serve it)."""
-    runs = []
-    offset = WARMUP_CLIENTS
-    for scenario in scenarios:
-        for i, clients in enumerate(scenario.levels or levels):
-            for r in range(rounds):
-                turn = (i * rounds + r) % len(keys)
-                order = list(keys[turn:]) + list(keys[:turn])
-                runs.extend(
-                    Run(scenario, clients, k, r, offset)
-                    for k in order
-                    if not SYSTEMS[k].is_single_stream or (clients == 1 and scenario.late is None)
-                )
-                offset += scenario.num_streams(clients)
-    return runs
-
-
 async def idle_other_share(seconds: float) -> float | None:
     """The CPU share other processes take over ``seconds`` while nothing is being measured."""
     before = cpu_share.sample([os.getpid()])
@@ -343,21 +308,6 @@ async def run_suite(
             "warmup": f"{WARMUP_CLIENTS} streams x {WARMUP_MAX_TOKENS} tokens per system",
         },
     )
-
-
-def scenario_settings(scenario: Scenario) -> dict:
-    """A scenario as the JSON records it."""
-    out = {
-        "name": scenario.name,
-        "max_tokens": scenario.max_tokens,
-        "context_sentences": scenario.context_sentences,
-        "unique": scenario.unique,
-        "description": scenario.description,
-        "levels": list(scenario.levels),
-    }
-    if scenario.late is not None:
-        out["late"] = {**scenario_settings(scenario.late), "clients": scenario.late_clients}
-    return out
 
 
 async def probe_cancel(worker: Worker) -> dict:

@@ -17,9 +17,9 @@ ones when the others have their first tokens) or ``mlx-trio`` (the in-process AP
 ``open_runtime``). Each runs in its own process so that its peak RSS is its own. Anything else
 the process prints goes to stderr.
 
-The raw mlx-lm systems run OpenBLAS at its own thread count (one a core), as mlx-lm does with
-OpenBLAS loaded and as ``mlx_lm.server`` runs in the harness; mlx-trio chooses its own
-(``engine/threads.py``).
+The raw mlx-lm systems are ``raw_systems``; they run OpenBLAS at its own thread count (one a
+core), as mlx-lm does with OpenBLAS loaded and as ``mlx_lm.server`` runs in the harness;
+mlx-trio chooses its own (``engine/threads.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from collections.abc import Callable
 from functools import partial
 from typing import TextIO
 
@@ -50,148 +49,18 @@ from ...actors.messages import (
 from ...engine import _blas
 from ...engine.errors import MlxTrioError
 from ...engine.generate import Engine
-from ...engine.params import SamplingParams
 from ...engine.prompt import ChatMessage
 from ..inprocess import RuntimeHandle, SessionHandle, open_runtime
 from .load import FirstTokens
+from .raw_systems import Handler, params, raw_handler, stream_result, streams_of
 from .scenarios import DEFAULT_SCENARIO, SCENARIOS, Stream, prompt
-from .stream import RequestResult, StreamProgress
-from .systems import MAX_BATCH, PREFILL_BATCH, PREFILL_CHUNK, WARMUP_CLIENTS, WARMUP_MAX_TOKENS
+from .stream import StreamProgress
+from .systems import MAX_BATCH, WARMUP_CLIENTS, WARMUP_MAX_TOKENS
 
 SYSTEMS = ("stream_generate", "batch_generator", "mlx-trio")
 PROBE_MAX_TOKENS = 256
 PROBE_TOKENS_BEFORE_CANCEL = 3
 PROBE_WAIT_S = 60.0
-
-Handler = Callable[[dict], Awaitable[dict]]
-
-
-def _params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens)
-
-
-def _streams(command: dict) -> list[Stream]:
-    return [Stream(**s) for s in command["streams"]]
-
-
-def _tokens(engine: Engine, text: str, max_tokens: int) -> list[int]:
-    """The prompt tokens every system gets: the chat template over one user message."""
-    request = engine.prepare([ChatMessage("user", text)], _params(max_tokens))
-    return list(request.prompt_tokens)
-
-
-def _result(
-    index: int,
-    progress: StreamProgress,
-    end: float,
-    error: str | None,
-    late: bool,
-    run_started: float,
-) -> dict:
-    result = RequestResult(
-        client=index,
-        index=0,
-        ttft_s=progress.ttft_s,
-        inter_token_s=tuple(progress.gaps),
-        completion_tokens=progress.completion_tokens,
-        elapsed_s=end - progress.started,
-        error=error,
-        detail=None,
-        late=late,
-        sent_s=progress.started - run_started,
-    )
-    return asdict(result)
-
-
-# -- raw mlx-lm -----------------------------------------------------------------------------------
-
-
-Prompts = list[tuple[list[int], Stream]]  # each stream's prompt tokens, and the stream
-
-
-def run_stream_generate(engine: Engine, prompts: Prompts) -> list[dict]:
-    """Each prompt through ``stream_generate``, one after another (it serves one stream)."""
-    from mlx_lm.generate import stream_generate
-
-    results = []
-    run_started = time.perf_counter()
-    for index, (tokens, stream) in enumerate(prompts):
-        progress = StreamProgress(started=time.perf_counter())
-        steps = stream_generate(engine.model, engine.tokenizer, tokens, stream.max_tokens)
-        for response in steps:
-            if response.finish_reason != "stop":  # the end-of-turn token is not text
-                progress.content_arrived()
-            progress.usage_tokens = progress.num_chunks
-        end = time.perf_counter()
-        results.append(_result(index, progress, end, None, stream.late, run_started))
-    return results
-
-
-def run_batch_generator(engine: Engine, prompts: Prompts) -> list[dict]:
-    """The first streams inserted at once into a fresh ``BatchGenerator`` with mlx-trio's
-    settings, the late ones once every first stream has its first token."""
-    from mlx_lm.generate import BatchGenerator
-
-    generator = BatchGenerator(
-        engine.model,
-        stop_tokens=[[t] for t in engine.tokenizer.eos_token_ids],
-        completion_batch_size=MAX_BATCH,
-        prefill_batch_size=PREFILL_BATCH,
-        prefill_step_size=PREFILL_CHUNK,
-    )
-    started = time.perf_counter()
-    progress = [StreamProgress(started=started) for _ in prompts]
-    ends = [started] * len(prompts)
-    index_of: dict[int, int] = {}
-
-    def insert(indices: list[int]) -> None:
-        now = time.perf_counter()
-        for i in indices:
-            progress[i].started = now
-        uids = generator.insert(
-            [prompts[i][0] for i in indices],
-            max_tokens=[prompts[i][1].max_tokens for i in indices],
-        )
-        index_of.update(zip(uids, indices, strict=True))
-
-    late = [i for i, (_, stream) in enumerate(prompts) if stream.late]
-    first = [i for i, (_, stream) in enumerate(prompts) if not stream.late]
-    insert(first)
-    remaining = len(first)
-    finished: set[int] = set()
-    while remaining or late:
-        if late and all(progress[i].ttft_s is not None or i in finished for i in first):
-            insert(late)
-            remaining += len(late)
-            late = []
-        for response in generator.next_generated():
-            i = index_of[response.uid]
-            if response.finish_reason != "stop":
-                progress[i].content_arrived()
-            if response.finish_reason is not None:
-                ends[i] = time.perf_counter()
-                progress[i].usage_tokens = progress[i].num_chunks
-                finished.add(i)
-                remaining -= 1
-    generator.close()
-    return [
-        _result(i, p, ends[i], None, prompts[i][1].late, started) for i, p in enumerate(progress)
-    ]
-
-
-def raw_handler(system: str, engine: Engine) -> Handler:
-    run = run_stream_generate if system == "stream_generate" else run_batch_generator
-
-    async def handle(command: dict) -> dict:
-        if command["op"] != "run":
-            raise ValueError(f"{system} does not do {command['op']!r}")
-        streams = _streams(command)
-        prompts = [(_tokens(engine, s.prompt, s.max_tokens), s) for s in streams]
-        started = time.perf_counter()
-        requests = run(engine, prompts)
-        return {"wall_s": time.perf_counter() - started, "requests": requests}
-
-    return handle
 
 
 # -- mlx-trio in-process --------------------------------------------------------------------------
@@ -235,7 +104,7 @@ async def _stream(
     error: str | None = None
     try:
         handle = await rt.submit(
-            GenerationRequest((ChatMessage("user", stream.prompt),), _params(stream.max_tokens))
+            GenerationRequest((ChatMessage("user", stream.prompt),), params(stream.max_tokens))
         )
         async with handle:
             async for event in handle:
@@ -250,7 +119,7 @@ async def _stream(
                         error = f"failed_{code}"
     except MlxTrioError as exc:
         error = type(exc).__name__
-    return _result(index, progress, time.perf_counter(), error, stream.late, run_started)
+    return stream_result(index, progress, time.perf_counter(), error, stream.late, run_started)
 
 
 async def run_runtime(rt: RuntimeHandle, streams: list[Stream]) -> dict:
@@ -299,8 +168,8 @@ async def _probe_once(rt: RuntimeHandle, port: WatchedEngine, first: int, stream
     with trio.fail_after(PROBE_WAIT_S):
         async with trio.open_nursery() as nursery:
             for i in range(streams):
-                params = _params(PROBE_MAX_TOKENS)
-                request = GenerationRequest((ChatMessage("user", prompt(first + i)),), params)
+                sampling = params(PROBE_MAX_TOKENS)
+                request = GenerationRequest((ChatMessage("user", prompt(first + i)),), sampling)
                 handles.append(await rt.submit(request))
                 nursery.start_soon(read, i, handles[-1])
             await all_decoding.wait()
@@ -335,7 +204,7 @@ def runtime_handler(rt: RuntimeHandle, port: WatchedEngine) -> Handler:
     async def handle(command: dict) -> dict:
         match command["op"]:
             case "run":
-                return await run_runtime(rt, _streams(command))
+                return await run_runtime(rt, streams_of(command))
             case "cancel_probe":
                 trials = []
                 first = command["prompt_offset"]
