@@ -13,7 +13,8 @@ The engine times each call, by its shape (decoding or prefilling, and how many r
 power of two), and now and then runs one call at the other count, a probe, between two calls
 of the same shape at the engine's count: the probe is compared with their mean, so that a
 cost that grows from call to call (a prompt's chunks against a longer and longer context, a
-KV cache that grows) does not count for or against it. If the probe was faster by ``MARGIN``,
+KV cache that grows) does not count for or against it; neighbours ``NEIGHBOURS`` times apart
+(a prompt ended between them) decide nothing. If the probe was faster by ``MARGIN``,
 its count becomes the engine's; either way the next probe waits ``MIN_INTERVAL_S``, and long
 enough that what the probe lost is ``PROBE_SHARE`` of the wait: on an idle machine a probe of
 one thread loses a third of a step, and comes back within seconds (so that the cores being
@@ -21,11 +22,14 @@ taken shows soon); on a busy one a probe of two threads can stretch a prefill st
 to 20 s, and comes back ten minutes later. A probe whose shape changes before the call after
 it is dropped.
 
-Since a busy machine keeps probes away for minutes, a change of the machine brings the next
-probe forward: a call on several threads ``SLOWDOWN`` times slower than its shape's last ones
-(the cores were just taken), or one on one thread ``SPEEDUP`` times faster (they were just
-given back). A switch is one call into OpenBLAS (``openblas_set_num_threads``, 0.2 us; it
-applies from the next GEMM), made only when the count changes.
+A call on several threads ``SLOWDOWN`` times slower than its shape's last ones (the cores were
+just taken) brings the next probe forward: a probe of one thread costs little. Nothing brings a
+probe of several threads forward, however busy the machine was: a first version took a call on
+one thread 1.5x faster than its shape's last ones for the cores given back, but a prompt's
+first chunk is that much cheaper than the last prompt's last one, and on a busy machine every
+prompt of a long-context run then paid for a probe of two threads. A switch is one call into
+OpenBLAS (``openblas_set_num_threads``, 0.2 us; it applies from the next GEMM), made only when
+the count changes.
 
 Only where it can matter: OpenBLAS loaded (Linux x86-64, the CPU device), more than one core,
 and no ``OPENBLAS_NUM_THREADS`` in the environment (a count the user set is kept).
@@ -49,12 +53,12 @@ logger = logging.getLogger(__name__)
 Shape = tuple[str, int]  # ("decode" | "prefill", rows to a power of two)
 
 MARGIN = 0.1  # a probe must beat the calls around it by this share to take over
-RECENT = 3  # a shape's last calls, against which a slowdown or a speed-up shows
+NEIGHBOURS = 1.5  # calls around a probe further apart than this are no measure
+RECENT = 3  # a shape's last calls, against which a slowdown shows
 FRESH_S = 10.0  # calls older than this say nothing about the machine now
 MIN_INTERVAL_S = 1.0  # between probes
 PROBE_SHARE = 0.03  # at most this share of the time goes to what losing probes lose
 SLOWDOWN = 2.0  # a call on several threads this much slower brings the next probe now
-SPEEDUP = 1.5  # a call on one thread this much faster brings the next probe now
 
 
 def shape(kind: str, rows: int) -> Shape:
@@ -160,7 +164,7 @@ class ThreadChooser:
             self._probe = _Probe(call_shape, count, per_step, steps, state.recent[-1])
             return
         if self._probe is not None:
-            self._decide(self._probe, (self._probe.before + per_step) / 2, now)
+            self._decide(self._probe, per_step, now)
             self._probe = None
         elif self._machine_changed(state, count, per_step):
             state.recent.clear()
@@ -168,19 +172,24 @@ class ThreadChooser:
         state.recent.append(per_step)
 
     def _machine_changed(self, state: _ShapeState, count: int, per_step: float) -> bool:
-        """Whether a call says the machine changed: on several threads ``SLOWDOWN`` times
-        slower than its shape's last calls, or on one ``SPEEDUP`` times faster."""
-        if not state.recent:
-            return False
-        usual = statistics.median(state.recent)
-        if count == self._counts[0]:
-            return per_step * SPEEDUP < usual
-        return per_step > SLOWDOWN * usual
+        """Whether a call on several threads was ``SLOWDOWN`` times slower than its shape's
+        last calls: the cores were taken."""
+        return (
+            count != self._counts[0]
+            and bool(state.recent)
+            and per_step > SLOWDOWN * statistics.median(state.recent)
+        )
 
-    def _decide(self, probe: _Probe, usual: float, now: float) -> None:
-        """Make the probe's count the engine's if it beat ``usual`` (the calls around it),
-        and schedule the next probe."""
-        if probe.per_step < (1 - MARGIN) * usual:
+    def _decide(self, probe: _Probe, after: float, now: float) -> None:
+        """Make the probe's count the engine's if it beat the mean of the calls around it
+        (``after``: the time a step of the one after it), and schedule the next probe. Calls
+        around it that disagree by more than ``NEIGHBOURS`` (a prompt ended between them)
+        decide nothing; what the probe lost against the call before it sets the wait."""
+        low, high = sorted((probe.before, after))
+        if high > NEIGHBOURS * low:
+            usual = probe.before
+            logger.debug("OpenBLAS threads: a probe between unlike calls decides nothing")
+        elif probe.per_step < (1 - MARGIN) * (usual := (probe.before + after) / 2):
             logger.info(
                 "OpenBLAS threads: %d (%s steps of %d rows: %.0f ms a step, against %.0f ms at %d)",
                 probe.count,
@@ -193,6 +202,14 @@ class ThreadChooser:
             self._switches += 1
             for state in self._shapes.values():
                 state.recent.clear()  # times at the other count
+        else:
+            logger.debug(
+                "OpenBLAS threads: %d stays (%s steps of %d rows: %.0f ms a step at %d)",
+                self._count,
+                *probe.shape,
+                probe.per_step * 1000,
+                probe.count,
+            )
         lost = max(probe.per_step - usual, 0.0) * probe.steps
         self._probe_at = now + max(MIN_INTERVAL_S, lost / PROBE_SHARE)
 
