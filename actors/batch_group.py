@@ -91,6 +91,7 @@ class _Member:
     parked: bool = False
     backlog: deque[LaneEvent] = field(default_factory=deque)
     prefilled: int = 0  # prompt tokens done, as its last progress event said
+    decoding: bool = False  # it has had a token: its prompt is read
 
     @property
     def is_delivering(self) -> bool:
@@ -346,17 +347,31 @@ class BatchGroup:
             await self.engine.batch_remove(rows)
 
     def steps_per_call(self) -> int:
-        """Steps for the next engine call: 1 while rows wait to join or a drain waits, else
-        enough that the event loop's CPU time per call (measured: the thread's CPU clock from
-        one call to the next) stays near ``LOOP_SHARE`` of the call, since it holds the GIL
-        the engine thread needs. A first token does not wait for the rest of a call: the engine
-        ends the call in the step that produced it."""
+        """Steps for the next engine call: 1 while rows wait to join, a row reads its prompt
+        or a drain waits, else enough that the event loop's CPU time per call (measured: the
+        thread's CPU clock from one call to the next) stays near ``LOOP_SHARE`` of the call,
+        since it holds the GIL the engine thread needs. A first token does not wait for the
+        rest of a call: the engine ends the call in the step that produced it.
+
+        A row reading its prompt: since the token budget, rows join at once and the engine
+        prefills them over many steps, each of them long (a chunk of a prompt); calls of 16
+        such steps held the decoding rows' tokens for 16-21 s on CPU (design/017)."""
         if self.fixed_steps_per_call is not None:
             return self.fixed_steps_per_call
-        if self._step_s is None or self._loop_s is None or self._can_admit() or self._draining:
+        if (
+            self._step_s is None
+            or self._loop_s is None
+            or self._can_admit()
+            or self._draining
+            or self._reading_prompts()
+        ):
             return 1
         wanted = self._loop_s / (LOOP_SHARE * max(self._step_s, 1e-6))
         return max(1, min(MAX_STEPS_PER_CALL, math.ceil(wanted)))
+
+    def _reading_prompts(self) -> bool:
+        """Whether a row in the batch has not had its first token yet."""
+        return any(not m.decoding and not m.parked for m in self._members.values())
 
     async def _step(self) -> None:
         self._steps += 1
@@ -397,6 +412,7 @@ class BatchGroup:
                     member.prefilled = done
                 case RowOutput(delta=delta):
                     decoded += len(delta.token_ids)
+                    self._members[key].decoding = True
             await self._dispatch(key, event)
         self.throughput.record(prefilled, decoded)
 
