@@ -295,8 +295,9 @@ class BatchGroup:
             if self._num_active() > 0:
                 await self._step()
             else:
-                self._loop_mark = None  # idle: the next call starts a new measurement
+                self._forget_pace()
             if not self._members and (self._draining or not self._pending):
+                self._forget_pace()
                 lease, self._lease = self._lease, None
                 self._draining = False
                 await self._arbiter.send(ReleaseLease(lease))
@@ -368,6 +369,13 @@ class BatchGroup:
             return 1
         wanted = self._loop_s / (LOOP_SHARE * max(self._step_s, 1e-6))
         return max(1, min(MAX_STEPS_PER_CALL, math.ceil(wanted)))
+
+    def _forget_pace(self) -> None:
+        """Idle, or the batch ended: the next call starts a new measurement of the loop's CPU
+        time and of a step. Kept, the loop's CPU time until then (other requests, streams
+        closing) was the next batch's first sample, and the last batch's averages its start:
+        a lone stream after a batch of long prompts ran 7-16 steps a call on CPU."""
+        self._loop_mark = self._loop_s = self._step_s = None
 
     def _reading_prompts(self) -> bool:
         """Whether a row in the batch has not had its first token yet."""
