@@ -85,6 +85,7 @@ class _Member:
     parked: bool = False
     backlog: deque[LaneEvent] = field(default_factory=deque)
     prefilled: int = 0  # prompt tokens done, as its last progress event said
+    decoding: bool = False  # it has had a token: its prompt is read
 
     @property
     def is_delivering(self) -> bool:
@@ -279,8 +280,9 @@ class BatchGroup:
             if self._num_active() > 0:
                 await self._step()
             else:
-                self.pacer.idle()
+                self.pacer.forget()
             if not self._members and (self._draining or not self._pending):
+                self.pacer.forget()  # the batch ended in the step above
                 lease, self._lease = self._lease, None
                 self._draining = False
                 await self._arbiter.send(ReleaseLease(lease))
@@ -331,9 +333,19 @@ class BatchGroup:
             await self.engine.batch_remove(rows)
 
     def steps_per_call(self) -> int:
-        """Steps for the next engine call (``CallPacer``): 1 while rows wait to join or a
-        drain waits."""
-        return self.pacer.steps(single=self._can_admit() or self._draining)
+        """Steps for the next engine call (``CallPacer``): 1 while rows wait to join, a row
+        reads its prompt or a drain waits.
+
+        A row reading its prompt: since the token budget, rows join at once and the engine
+        prefills them over many steps, each of them long (a chunk of a prompt); calls of 16
+        such steps held the decoding rows' tokens for 16-21 s on CPU (design/017)."""
+        return self.pacer.steps(
+            single=self._can_admit() or self._draining or self._reading_prompts()
+        )
+
+    def _reading_prompts(self) -> bool:
+        """Whether a row in the batch has not had its first token yet."""
+        return any(not m.decoding and not m.parked for m in self._members.values())
 
     async def _step(self) -> None:
         self._steps += 1
@@ -370,6 +382,7 @@ class BatchGroup:
                     member.prefilled = done
                 case RowOutput(delta=delta):
                     decoded += len(delta.token_ids)
+                    self._members[key].decoding = True
             await self._dispatch(key, event)
         self.throughput.record(prefilled, decoded)
 

@@ -49,9 +49,12 @@ class CallPacer:
     def call_ended(self, seconds: float, steps: int) -> None:
         self._step_s = _moving_average(self._step_s, seconds / steps)
 
-    def idle(self) -> None:
-        """No call for a while: the next one starts a new measurement of the loop."""
-        self._loop_mark = None
+    def forget(self) -> None:
+        """Idle, or the batch ended: the next call starts a new measurement of the loop's CPU
+        time and of a step. Kept, the loop's CPU time until then (other requests, streams
+        closing) was the next batch's first sample, and the last batch's averages its start:
+        a lone stream after a batch of long prompts ran 7-16 steps a call on CPU."""
+        self._loop_mark = self._loop_s = self._step_s = None
 
     def steps(self, *, single: bool) -> int:
         """Steps for the next call: 1 when ``single`` (rows wait to join, or a drain waits),

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 GFORTRAN = "libgfortran.so.5"
 
 _loaded: Path | None = None
+_library: ctypes.CDLL | None = None  # the loaded OpenBLAS, for its thread count
+_own_threads: int | None = None  # OpenBLAS's thread count as it loaded, before ours
 _gfortran: Path | None = None
 _memfds: list[int] = []  # kept open: a closed descriptor's /proc/self/fd/N could name another file
 
@@ -108,7 +110,7 @@ def ensure_openblas() -> Path | None:
     works, with the reference BLAS). Logs a warning if MLX was imported first, since the binding
     is then already made.
     """
-    global _loaded
+    global _loaded, _library, _own_threads
     if _loaded is not None:
         return _loaded
     if sys.platform != "linux" or platform.machine() != "x86_64":
@@ -124,11 +126,13 @@ def ensure_openblas() -> Path | None:
     except OSError as error:
         logger.warning("OpenBLAS did not load (%s); MLX's CPU GEMM uses the reference BLAS", error)
         return None
+    _own_threads = library.openblas_get_num_threads()
     if "OPENBLAS_NUM_THREADS" not in os.environ:
-        # MLX runs its own CPU threads; OpenBLAS's threads fight them and make the
-        # transformer-sized GEMMs 10-20x slower (design/001-openblas.md).
+        # One thread until the engine chooses (engine/threads.py): more are 20-30% faster on
+        # an idle machine and 5-20x slower on a busy one (design/017), and a program that
+        # imports us without running the engine gets the safe count.
         library.openblas_set_num_threads(1)
-    _loaded = path
+    _loaded, _library = path, library
     logger.debug("loaded OpenBLAS from %s", path)
     return path
 
@@ -136,6 +140,24 @@ def ensure_openblas() -> Path | None:
 def openblas_path() -> Path | None:
     """The OpenBLAS library this process loaded, if any."""
     return _loaded
+
+
+def threads() -> int | None:
+    """How many threads OpenBLAS runs a GEMM on now; None without OpenBLAS."""
+    return _library.openblas_get_num_threads() if _library is not None else None
+
+
+def own_threads() -> int | None:
+    """OpenBLAS's thread count as it loaded (its ``OPENBLAS_NUM_THREADS``, else one per
+    core), before this module pinned it; None without OpenBLAS."""
+    return _own_threads
+
+
+def set_threads(count: int) -> None:
+    """Run OpenBLAS's GEMMs on ``count`` threads from now on (the whole process); nothing
+    without OpenBLAS."""
+    if _library is not None:
+        _library.openblas_set_num_threads(count)
 
 
 def gfortran_source() -> Path | None:

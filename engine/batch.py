@@ -32,6 +32,7 @@ from .params import PreparedRequest, SamplingParams
 from .sampling import Sampler, make_row_sampler, with_injected_fault
 from .schedule import TokenBudget
 from .solo import SoloRow
+from .threads import Shape, shape
 
 DEFAULT_PREFILL_CHUNK = 256
 PREFILL_BATCH = 8  # prompts prefilled together, without a budget
@@ -93,6 +94,15 @@ class BatchEngine:
     def steps_run(self) -> int:
         """Steps run so far (a call of several may stop short)."""
         return self._step_count
+
+    def shape(self) -> Shape:
+        """What the next step runs: ``prefill`` while some row has prompt left (and how many
+        such rows), else ``decode`` (and how many rows); the thread count is chosen by it."""
+        if self._solo.row_id is not None:
+            return shape("prefill" if self._solo.is_unstarted else "decode", 1)
+        if preparing := self._batch.num_preparing:
+            return shape("prefill", preparing)
+        return shape("decode", self._batch.num_decoding)
 
     @property
     def solo_row(self) -> int | None:

@@ -188,6 +188,17 @@ class GeneratorRows:
     def kv_bytes(self) -> int:
         return self._generator.prompt_cache_nbytes
 
+    @property
+    def num_decoding(self) -> int:
+        """Rows past their prompt, each stepped one token a step."""
+        return len(self._generator._generation_batch)
+
+    @property
+    def num_preparing(self) -> int:
+        """Rows with prompt left to prefill, being prefilled or waiting to be."""
+        generator = self._generator
+        return len(generator._currently_processing) + len(generator._unprocessed_sequences)
+
     def insert(
         self,
         row: BatchRow,

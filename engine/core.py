@@ -24,6 +24,7 @@ from .memory import apply_budget, memory_usage, plan_budget, trim_allocator
 from .outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
 from .params import PreparedRequest
 from .sampling import repair_random_state
+from .threads import ThreadChooser, shape
 
 SERIAL_ROW = 0
 # While rows come and go without the engine ever going idle, free pages are given back this
@@ -58,6 +59,9 @@ class EngineCore:
             apply_budget(self.memory)
             if engine.prompt_cache is not None:
                 engine.prompt_cache.bound_by(self._prompt_cache_room)
+        # OpenBLAS's thread count, chosen per call from the calls' times (CPU only).
+        self._threads = ThreadChooser.for_device(engine.loaded.device)
+        self._serial_prefilled = False  # the serial run's first step (its prompt) is done
 
     @property
     def num_rows(self) -> int:
@@ -120,11 +124,17 @@ class EngineCore:
         self._serial_generation = generation
         self._serial = iter(generation)
         self._serial_request = request
+        self._serial_prefilled = False
         self._fit_prompt_cache()
 
     def serial_step(self) -> list[RowEvent]:
         assert self._serial is not None and self._serial_generation is not None
+        if self._threads is not None:
+            self._threads.begin(shape("decode" if self._serial_prefilled else "prefill", 1))
         delta = next(self._serial)
+        self._serial_prefilled = True
+        if self._threads is not None:
+            self._threads.end(1)
         events: list[RowEvent] = list(self._serial_progress)
         self._serial_progress.clear()
         stats = self._serial_generation.stats() if delta.finish_reason else None
@@ -183,7 +193,13 @@ class EngineCore:
 
     def batch_step(self, steps: int = 1) -> list[RowEvent]:
         batch = self._the_batch()
-        events = batch.step(steps)
+        if self._threads is None:
+            events = batch.step(steps)
+        else:
+            before = batch.steps_run
+            self._threads.begin(batch.shape())
+            events = batch.step(steps)
+            self._threads.end(batch.steps_run - before)
         # Steps run ahead of the call count as its own.
         self.batch_steps_run += batch.steps_run - self._steps_counted
         self._steps_counted = batch.steps_run
@@ -214,6 +230,8 @@ class EngineCore:
         if self._batch is not None:
             self._batch.close()
             self._batch = None
+        if self._threads is not None:
+            self._threads.close()
 
 
 def plan_memory(

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from mlx_trio.api.bench import report
-from mlx_trio.api.bench.load import summarize
+from mlx_trio.api.bench.load_result import LoadResult, summarize
+from mlx_trio.api.bench.plan import plan
 from mlx_trio.api.bench.results import Measurement, SystemRecord, to_json
-from mlx_trio.api.bench.runner import plan
 from mlx_trio.api.bench.scenarios import SCENARIOS, parse_scenarios, prompt
 from mlx_trio.api.bench.stream import RequestResult
 from mlx_trio.api.bench.systems import SYSTEMS
@@ -48,10 +48,10 @@ def test_an_unknown_system_is_refused_with_the_known_ones() -> None:
 
 
 def test_a_flag_or_system_of_the_other_run_is_refused() -> None:
-    done = mlx_trio("bench", "--rounds", "2")
+    done = mlx_trio("bench", "--single-repeats", "2")
     assert (done.returncode, done.stderr) == (
         1,
-        "mlx-trio: error: --rounds: for the GPU run: add --gpu\n",
+        "mlx-trio: error: --single-repeats: for the GPU run: add --gpu\n",
     )
     done = mlx_trio("bench", "--gpu", "--systems", "batch,mlx_lm-http")
     assert done.returncode == 1
@@ -74,9 +74,78 @@ def test_the_default_scenario_is_the_readme_one() -> None:
 def test_the_plan_rotates_systems_and_runs_single_stream_ones_at_one_only() -> None:
     keys = list(SYSTEMS)
     runs = plan([SCENARIOS["chat"]], keys, [1, 4])
-    assert [k for _, c, k in runs if c == 1] == keys
-    at_4 = [k for _, c, k in runs if c == 4]
+    assert [r.key for r in runs if r.clients == 1] == keys
+    at_4 = [r.key for r in runs if r.clients == 4]
     assert at_4 == keys[1:]  # rotated by one: stream_generate, now last, is left out
+
+
+def test_rounds_alternate_the_order_and_never_send_a_server_the_same_prompt_twice() -> None:
+    keys = ["mlx-trio-http", "mlx_lm-http-backlog"]
+    long_context = SCENARIOS["long-context"]
+    runs = plan([long_context], keys, [8], rounds=3)
+    assert [(r.round, r.key) for r in runs] == [
+        (0, "mlx-trio-http"),
+        (0, "mlx_lm-http-backlog"),
+        (1, "mlx_lm-http-backlog"),
+        (1, "mlx-trio-http"),
+        (2, "mlx-trio-http"),
+        (2, "mlx_lm-http-backlog"),
+    ]
+    sent = [
+        tuple(s.prompt for s in long_context.streams(r.clients, r.prompt_offset))
+        for r in runs
+        if r.key == "mlx-trio-http"
+    ]
+    assert len({p for prompts in sent for p in prompts}) == 3 * 8
+    # Each prompt is its own from its first words: no cached prefix serves another.
+    assert len({p.split(":")[0] for prompts in sent for p in prompts}) == 3 * 8
+
+
+def test_the_long_context_and_mixed_scenarios() -> None:
+    done = mlx_trio("bench", "--help")
+    assert "of chat,long-prompt,long-context,mixed" in done.stdout
+    long_context, mixed = SCENARIOS["long-context"], SCENARIOS["mixed"]
+    assert long_context.max_tokens == 64
+    assert 3500 < len(long_context.prompt(10)) < 6000  # about 1,000 tokens
+    streams = mixed.streams(8, 100)
+    assert [(s.max_tokens, s.late) for s in streams] == [(128, False)] * 8 + [(64, True)] * 4
+    assert streams[0].prompt == prompt(100) and streams[8].prompt == long_context.prompt(108)
+    # --max-tokens shortens both groups; a single-stream system never runs a mixed level.
+    assert {s.max_tokens for s in mixed.with_max_tokens(4).streams(2, 0)} == {4}
+    assert "stream_generate" not in {r.key for r in plan([mixed], list(SYSTEMS), [1])}
+
+
+async def test_a_mixed_run_sends_the_long_prompts_once_every_short_stream_streams() -> None:
+    from mlx_trio.actors.scripted import Script, ScriptedEngine
+    from mlx_trio.api.bench.worker import run_runtime
+    from mlx_trio.api.inprocess import open_runtime
+
+    engine = ScriptedEngine(Script(step_s=0.002, context_length=100_000))
+    streams = SCENARIOS["mixed"].with_max_tokens(6).streams(3, 0)
+    async with open_runtime(engine=engine, max_batch=8) as rt:
+        answer = await run_runtime(rt, streams)
+    requests = [
+        RequestResult(**{**r, "inter_token_s": tuple(r["inter_token_s"])})
+        for r in answer["requests"]
+    ]
+    first = [r for r in requests if not r.late]
+    late = [r for r in requests if r.late]
+    assert (len(first), len(late)) == (3, 4)
+    assert all(r.is_ok and r.completion_tokens == 6 for r in requests)
+    streaming_from = max(r.sent_s + r.ttft_s for r in first)
+    assert all(r.sent_s >= streaming_from for r in late)
+    load = summarize(
+        url="in-process:mlx-trio",
+        model="default",
+        clients=3,
+        requests_per_client=1,
+        max_tokens=6,
+        wall_s=answer["wall_s"],
+        requests=requests,
+    )
+    assert load.clients == 3 and load.num_requests == 7
+    assert load.groups["first"]["num_requests"] == 3 and load.groups["late"]["num_ok"] == 4
+    assert load.groups["first"]["itl_p99_s"] is not None
 
 
 def test_report_only_prints_the_saved_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -163,3 +232,60 @@ def test_the_gpu_run_runs_on_cpu_with_the_quick_model(tmp_path: Path) -> None:
         assert (cell["tokens"], cell["failures"]) == ([8, 8], []), system
     assert "| 2 | - | " in done.stdout
     assert "2: mlx-trio in-process " in done.stdout  # the paired ratios
+
+
+def mixed_level(late_gap: float, wall_s: float) -> LoadResult:
+    """A mixed level of 2 short streams and 1 late one, as the load generator reports it."""
+    short = [RequestResult(c, 0, 0.2, (0.1, 0.1, late_gap), 4, 1.0, sent_s=0.0) for c in (0, 1)]
+    late = RequestResult(2, 0, 0.5, (0.1,), 2, 1.0, late=True, sent_s=0.3)
+    return summarize(
+        url="http://127.0.0.1:1",
+        model="m",
+        clients=2,
+        requests_per_client=1,
+        max_tokens=4,
+        wall_s=wall_s,
+        requests=[*short, late],
+    )
+
+
+def test_a_mixed_run_reports_the_short_streams_gaps_and_paired_ratios(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    ours, theirs = "mlx-trio-http", "mlx_lm-http-backlog"
+    measurements = [
+        Measurement(ours, "mixed", mixed_level(0.2, wall_s=1.0), 0.0, 2**30, 0),
+        Measurement(theirs, "mixed", mixed_level(0.9, wall_s=2.0), 0.0, 2**30, 0),
+        Measurement(theirs, "mixed", mixed_level(0.9, wall_s=1.0), 0.0, 2**30, 1),
+        Measurement(ours, "mixed", mixed_level(0.2, wall_s=1.0), 0.0, 2**30, 1),
+    ]
+    data = to_json(
+        systems=[
+            SystemRecord(ours, "mlx-trio HTTP", "http", 1, None),
+            SystemRecord(theirs, "mlx_lm.server, backlog 128", "http", 1, None),
+        ],
+        measurements=measurements,
+        probe=None,
+        idle_other_share=None,
+        settings={
+            "max_tokens": 128,
+            "max_batch": 32,
+            "prefill_batch": 8,
+            "prefill_chunk": 256,
+            "rounds": 2,
+            "scenarios": [{"name": "mixed", "description": "short streams, then long prompts"}],
+        },
+    )
+    saved = tmp_path / "suite.json"
+    saved.write_text(json.dumps(data))
+    assert main(["bench", "--report-only", str(saved), "--png", str(tmp_path / "s.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| first streams' gap p50 ms | gap p99 ms | late streams' TTFT p50 ms | p99 ms |" in out
+    # 10 tokens in 1 s, the median of two rounds; its short streams' gaps: p50 100, p99 200 ms.
+    assert "| 2 | mlx-trio HTTP | 10.0 | 200 | 494 | 100 | 200 | 100 | 200 | 500 | 500 |" in out
+    # Paired by round: 2.0x then 1.0x tok/s; the median, 1.5x.
+    assert "| mixed | 2 | 1.50x | 1.00x |" in out
+    assert "- met: mixed over HTTP: the first streams' inter-token gap p99 <= 3x" in out
+    assert "- not measured: long-context at 8 streams over HTTP: >= 1.2x tok/s" in out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "s.png").stat().st_size > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from mlx_trio.actors.messages import Completed, GenerationRequest
+from mlx_trio.actors.messages import Completed, GenerationRequest, TextDelta
 from mlx_trio.actors.scripted import Script, ScriptedEngine
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.params import SamplingParams
@@ -94,6 +94,49 @@ async def test_a_decoding_row_gets_a_token_every_iteration_while_a_prompt_is_pre
     during = [n for n in prefill_steps if n > first_long_step]
     assert len(during) >= 3 * 900 // BUDGET.max_iteration_tokens  # the prompts took a while
     assert set(during) <= set(steps_with_a_token)  # and the short row stepped in every one
+
+
+async def test_while_a_prompt_is_prepared_calls_are_single_steps_and_tokens_are_not_held(
+    autojump_clock,
+):
+    # 48 rows of 10 ms steps: calls run several steps, each row's tokens come in a chunk of
+    # them. While long prompts are prepared, each step is long on a real engine, and a call of
+    # several would hold every decoding row's tokens for all of them: one step a call then.
+    engine = ScriptedEngine(Script(step_s=0.01, budget=BUDGET))
+    async with open_runtime(engine=engine, max_batch=64, max_live=64) as rt:
+        rows = [
+            await rt.submit(GenerationRequest(f"short {i}", SamplingParams(max_tokens=400)))
+            for i in range(48)
+        ]
+        watched = rows[0]
+        chunks_before: list[int] = []
+        async for event in watched:
+            if isinstance(event, TextDelta):
+                chunks_before.append(len(event.token_ids))
+            if len(chunks_before) == 20:
+                break
+        prepared = trio.Event()
+
+        async def long_prompts() -> None:
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    prompt = GenerationRequest(long_prompt(i, 900), SamplingParams(max_tokens=1))
+                    nursery.start_soon(rt.collect, prompt)
+            prepared.set()
+
+        chunks_during: list[int] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_prompts)
+            async for event in watched:
+                if isinstance(event, TextDelta):
+                    chunks_during.append(len(event.token_ids))
+                if prepared.is_set():
+                    break
+        for handle in rows:
+            handle.cancel_nowait()
+    assert max(chunks_before[-5:]) > 1  # several steps a call before the prompts came
+    assert len(chunks_during) >= 3 * 900 // BUDGET.max_iteration_tokens
+    assert max(chunks_during[1:-1]) == 1  # one token at a time while they were prepared
 
 
 async def test_cancelling_a_row_mid_prefill_frees_its_place_at_the_next_iteration(

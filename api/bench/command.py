@@ -26,9 +26,9 @@ from typing import Any
 
 import trio
 
-from . import report, wave_report
+from . import report, suite_plot, wave_report
 from .scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, parse_scenarios
-from .systems import SYSTEMS
+from .systems import BASELINE, DEFAULT_SYSTEMS, SYSTEMS
 from .wave_plan import MODELS, QUICK_LEVELS, QUICK_MAX_TOKENS, WAVE_SYSTEMS, WavePlan
 
 logger = logging.getLogger(__name__)
@@ -37,12 +37,11 @@ DEFAULT_LEVELS = "1,4,8,16,32,64"
 DEFAULT_RESULTS = Path("bench-results")
 PLOT_EXTRA = "pip install 'mlx-trio[bench]'"
 # The flags of one run only, by dest (None when not given): the other run refuses them.
-SUITE_ONLY = ("scenarios", "cancel_probe")
+SUITE_ONLY = ("scenarios", "cancel_probe", "baseline")
 GPU_ONLY = (
     "quick",
     "models",
     "prompt_tokens",
-    "rounds",
     "single_repeats",
     "budget_s",
     "warmup_only",
@@ -102,7 +101,8 @@ def add_arguments(
         "--scenarios",
         type=_scenarios,
         default=None,
-        help=f"of {','.join(SCENARIOS)} (default {DEFAULT_SCENARIO})",
+        help=f"of {','.join(SCENARIOS)} (default {DEFAULT_SCENARIO}), each with its own "
+        "levels if given, as in long-context:8,chat:1+32",
     )
     levels = ",".join(map(str, WavePlan().concurrency))
     quick_levels = ",".join(map(str, QUICK_LEVELS))
@@ -118,6 +118,21 @@ def add_arguments(
         default=None,
         help=f"new tokens per stream (default: the scenario's; --gpu {WavePlan().max_tokens}, "
         f"--quick {QUICK_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of each level, every system once a round, in an order that rotates "
+        f"(default 1; --gpu {WavePlan().rounds})",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="PYTHON",
+        help="also serve mlx-trio HTTP with this interpreter (another install, say an earlier "
+        f"commit's venv) as the system {BASELINE}, with its ratios",
     )
     parser.add_argument(
         "--cancel-probe",
@@ -158,7 +173,6 @@ def _add_gpu_arguments(parser: argparse.ArgumentParser, gpu: bool) -> None:
     flags.add_argument(
         "--prompt-tokens", type=int, default=None, help=f"default {plan.prompt_tokens}"
     )
-    flags.add_argument("--rounds", type=int, default=None, help=f"default {plan.rounds}")
     flags.add_argument(
         "--single-repeats",
         type=int,
@@ -221,8 +235,12 @@ def _check(args: argparse.Namespace) -> None:
     if args.systems and (wrong := [k for k in args.systems if k not in table]):
         run = "the GPU run's (--gpu)" if args.gpu else "the suite's"
         _refuse(f"{wrong} are not {run} systems; choose from {', '.join(table)}")
+    if not args.gpu and args.systems and BASELINE in args.systems and args.baseline is None:
+        _refuse(f"{BASELINE} needs --baseline PYTHON")
     if args.max_tokens is not None and args.max_tokens < 1:
         _refuse("--max-tokens must be at least 1")
+    if args.rounds is not None and args.rounds < 1:
+        _refuse("--rounds must be at least 1")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -252,7 +270,7 @@ def _report(data: dict[str, Any], png: Path) -> int:
         draw(wave_report.plot, data, png)
         print(wave_report.table(data))
         return 0
-    draw(report.plot, data, png)
+    draw(suite_plot.plot, data, png)
     print(report.render(data))
     return 1 if any(system["error"] for system in data["systems"]) else 0
 
@@ -261,7 +279,9 @@ def _run_suite(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from .runner import run_suite
     from .systems import ensure_f32_model
 
-    keys = args.systems or list(SYSTEMS)
+    keys = args.systems or list(DEFAULT_SYSTEMS)
+    if args.baseline is not None and BASELINE not in keys:
+        keys.append(BASELINE)
     scenarios = [
         s.with_max_tokens(args.max_tokens) for s in args.scenarios or [SCENARIOS[DEFAULT_SCENARIO]]
     ]
@@ -276,6 +296,8 @@ def _run_suite(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         f32_dir=f32_dir,
         log_dir=out.parent,
         cancel_probe=args.cancel_probe is not False,
+        rounds=args.rounds or 1,
+        baseline=args.baseline,
     )
     data = trio.run(suite)
     data["total_s"] = _process_age_s()

@@ -15,7 +15,8 @@ from functools import partial
 
 import trio
 
-from .load import DEFAULT_REQUEST_TIMEOUT_S, check_loopback, format_result, run_load
+from .load import DEFAULT_REQUEST_TIMEOUT_S, check_loopback, run_load
+from .load_result import format_result
 
 
 def main() -> None:

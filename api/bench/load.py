@@ -8,6 +8,10 @@ the first non-empty content delta (TTFT), the gaps between successive content ch
 content chunks) and what went wrong, if anything. The run reports generated tokens per second
 of wall time over the whole run, TTFT and ITL percentiles, and errors by kind.
 
+``run_streams`` sends a scenario's streams instead (``scenarios.Stream``: a prompt and
+``max_tokens`` each, one request a client), the late ones once every other stream has its
+first token or has ended; then the result also summarizes the two groups apart (``groups``).
+
 This is the harness's one load generator: ``mlx-trio bench`` drives both servers with it, and
 ``python -m mlx_trio.api.bench.http_load --url http://127.0.0.1:8000 --clients 8`` runs it alone
 (``http_load``; the GPU run's HTTP waves run it so, in a process of their own). Only
@@ -19,17 +23,16 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import math
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import httpx
 import trio
 
-from .scenarios import prompt
+from .load_result import LoadResult, summarize
+from .scenarios import Stream, prompt
 from .stream import RequestResult, run_request
 
 logger = logging.getLogger(__name__)
@@ -37,42 +40,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 RUN_TIMEOUT_MARGIN_S = 60.0
 RUN_STOP_GRACE_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """A whole run: throughput, latency percentiles (seconds) and errors by kind.
-
-    ``tokens_per_s`` is the completion tokens of the successful requests over the wall time of
-    the whole run (first request sent to last client done). TTFT and ITL percentiles cover every
-    request that measured them, failed or not; None when there were no samples.
-    """
-
-    url: str
-    model: str
-    clients: int
-    requests_per_client: int
-    max_tokens: int
-    wall_s: float
-    num_requests: int
-    num_ok: int
-    completion_tokens: int
-    tokens_per_s: float
-    ttft_p50_s: float | None
-    ttft_p99_s: float | None
-    itl_p50_s: float | None
-    itl_p99_s: float | None
-    errors: dict[str, int]
-    requests: tuple[RequestResult, ...]
-
-    @property
-    def num_errors(self) -> int:
-        return self.num_requests - self.num_ok
-
-    def summary(self) -> dict[str, object]:
-        """Everything but the per-request list, JSON-ready."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "requests"}
-        return {**out, "errors": dict(self.errors), "num_errors": self.num_errors}
 
 
 def check_loopback(url: str) -> httpx.URL:
@@ -96,16 +63,6 @@ def check_loopback(url: str) -> httpx.URL:
     return parsed
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100), interpolating linearly between ranks; None if empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 async def fetch_model_id(client: httpx.AsyncClient) -> str:
     """The first model id listed by ``GET /v1/models``.
 
@@ -123,6 +80,22 @@ async def fetch_model_id(client: httpx.AsyncClient) -> str:
     return ids[0]
 
 
+class FirstTokens:
+    """The first group's streams counted down to their first tokens (or their ends): the late
+    streams wait for none to be left."""
+
+    def __init__(self, client_ids: Iterable[int]) -> None:
+        self._waiting = set(client_ids)
+        self.all_started = trio.Event()
+        if not self._waiting:
+            self.all_started.set()
+
+    def started(self, client_id: int) -> None:
+        self._waiting.discard(client_id)
+        if not self._waiting:
+            self.all_started.set()
+
+
 async def _client_loop(
     client: httpx.AsyncClient,
     *,
@@ -131,26 +104,41 @@ async def _client_loop(
     timeout_s: float,
     deadline: float,
     results: list[RequestResult],
+    first_tokens: FirstTokens,
+    late: bool = False,
+    run_started: float | None = None,
 ) -> None:
-    """Send ``bodies`` one after another until ``deadline`` (``trio.current_time()``).
+    """Send ``bodies`` one after another until ``deadline`` (``trio.current_time()``); a late
+    client first waits for ``first_tokens``, an early one tells it of its first token.
 
     Appends each outcome to ``results`` (this client's own list). A request cut short by the
     deadline is a ``run_timeout`` error that keeps its measurements; requests not sent by then
     are not appended.
     """
-    for index, body in enumerate(bodies):
-        remaining = deadline - trio.current_time()
-        if remaining <= 0:
-            return
-        result = await run_request(
-            client,
-            client_id=client_id,
-            index=index,
-            body=body,
-            timeout_s=min(timeout_s, remaining),
-            timeout_kind="timeout" if timeout_s <= remaining else "run_timeout",
-        )
-        results.append(result)
+    if late:
+        with trio.move_on_at(deadline):
+            await first_tokens.all_started.wait()
+    on_first = None if late else partial(first_tokens.started, client_id)
+    try:
+        for index, body in enumerate(bodies):
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                return
+            result = await run_request(
+                client,
+                client_id=client_id,
+                index=index,
+                body=body,
+                timeout_s=min(timeout_s, remaining),
+                timeout_kind="timeout" if timeout_s <= remaining else "run_timeout",
+                late=late,
+                on_first=on_first,
+                run_started=run_started,
+            )
+            results.append(result)
+    finally:
+        if not late:  # ended without a first token: the late ones need not wait for it
+            first_tokens.started(client_id)
 
 
 def _request_body(model: str, text: str, max_tokens: int) -> dict:
@@ -165,40 +153,12 @@ def _request_body(model: str, text: str, max_tokens: int) -> dict:
     }
 
 
-def summarize(
-    *,
-    url: str,
-    model: str,
-    clients: int,
-    requests_per_client: int,
-    max_tokens: int,
-    wall_s: float,
-    requests: Sequence[RequestResult],
-) -> LoadResult:
-    """Aggregate per-request results into a LoadResult (see its docstring for definitions)."""
-    ok = [r for r in requests if r.is_ok]
-    tokens = sum(r.completion_tokens for r in ok)
-    ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
-    gaps = [g for r in requests for g in r.inter_token_s]
-    errors = Counter(r.error for r in requests if r.error is not None)
-    return LoadResult(
-        url=url,
-        model=model,
-        clients=clients,
-        requests_per_client=requests_per_client,
-        max_tokens=max_tokens,
-        wall_s=wall_s,
-        num_requests=len(requests),
-        num_ok=len(ok),
-        completion_tokens=tokens,
-        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
-        ttft_p50_s=percentile(ttfts, 50),
-        ttft_p99_s=percentile(ttfts, 99),
-        itl_p50_s=percentile(gaps, 50),
-        itl_p99_s=percentile(gaps, 99),
-        errors=dict(sorted(errors.items())),
-        requests=tuple(requests),
-    )
+@dataclass(frozen=True, slots=True)
+class _ClientPlan:
+    """What one client sends, in order: (prompt, max_tokens) a request; whether it is late."""
+
+    requests: tuple[tuple[str, int], ...]
+    late: bool = False
 
 
 async def run_load(
@@ -224,14 +184,68 @@ async def run_load(
     Raises ValueError for a non-loopback URL or bad counts. Cancelled: connections are closed
     and nothing is returned.
     """
-    base = check_loopback(url)
     if clients < 1 or requests_per_client < 1 or max_tokens < 1:
         raise ValueError("clients, requests_per_client and max_tokens must be at least 1")
+    plans = []
+    for c in range(clients):
+        first = prompt_offset + c * requests_per_client
+        texts = (prompt_of(first + i) for i in range(requests_per_client))
+        plans.append(_ClientPlan(tuple((text, max_tokens) for text in texts)))
+    return await _run(
+        url,
+        plans,
+        model=model,
+        api_key=api_key,
+        request_timeout_s=request_timeout_s,
+        run_timeout_s=run_timeout_s,
+    )
+
+
+async def run_streams(
+    url: str,
+    streams: Sequence[Stream],
+    *,
+    model: str | None = None,
+    api_key: str | None = None,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    run_timeout_s: float | None = None,
+) -> LoadResult:
+    """A scenario's ``streams`` against ``url``, a client each, the late ones sent once every
+    other stream has its first token or has ended; otherwise as :func:`run_load` (whose
+    ``max_tokens`` in the result is the first stream's)."""
+    if not streams or any(s.max_tokens < 1 for s in streams):
+        raise ValueError("at least one stream, and max_tokens at least 1 for each")
+    plans = [_ClientPlan(((s.prompt, s.max_tokens),), s.late) for s in streams]
+    return await _run(
+        url,
+        plans,
+        model=model,
+        api_key=api_key,
+        request_timeout_s=request_timeout_s,
+        run_timeout_s=run_timeout_s,
+    )
+
+
+async def _run(
+    url: str,
+    plans: Sequence[_ClientPlan],
+    *,
+    model: str | None,
+    api_key: str | None,
+    request_timeout_s: float,
+    run_timeout_s: float | None,
+) -> LoadResult:
+    """Each plan's client at once (the late ones gated), measured; see :func:`run_load`."""
+    base = check_loopback(url)
+    requests_per_client = max(len(plan.requests) for plan in plans)
     if run_timeout_s is None:
         run_timeout_s = request_timeout_s * requests_per_client + RUN_TIMEOUT_MARGIN_S
+        if any(plan.late for plan in plans):  # the late ones start once the others have
+            run_timeout_s += request_timeout_s
     if request_timeout_s <= 0 or run_timeout_s <= 0:
         raise ValueError("request_timeout_s and run_timeout_s must be positive")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    clients = len(plans)
     async with httpx.AsyncClient(
         base_url=base,
         headers=headers,
@@ -242,58 +256,41 @@ async def run_load(
         if model is None:
             model = await fetch_model_id(client)
         per_client: list[list[RequestResult]] = [[] for _ in range(clients)]
+        first_tokens = FirstTokens(c for c, plan in enumerate(plans) if not plan.late)
         started = time.perf_counter()
         deadline = trio.current_time() + run_timeout_s
         with trio.move_on_at(deadline + RUN_STOP_GRACE_S):  # a net: requests stop at deadline
             async with trio.open_nursery() as nursery:
-                for c in range(clients):
-                    first = prompt_offset + c * requests_per_client
-                    bodies = [
-                        _request_body(model, prompt_of(first + i), max_tokens)
-                        for i in range(requests_per_client)
-                    ]
+                for c, plan in enumerate(plans):
                     loop = partial(
                         _client_loop,
                         client,
                         client_id=c,
-                        bodies=bodies,
+                        bodies=[_request_body(model, text, n) for text, n in plan.requests],
                         timeout_s=request_timeout_s,
                         deadline=deadline,
                         results=per_client[c],
+                        first_tokens=first_tokens,
+                        late=plan.late,
+                        run_started=started,
                     )
                     nursery.start_soon(loop)
         wall = time.perf_counter() - started
     requests = [r for results in per_client for r in results]
     for c, results in enumerate(per_client):
-        for index in range(len(results), requests_per_client):
+        for index in range(len(results), len(plans[c].requests)):
             detail = f"not sent: the run stopped after {run_timeout_s:g} s"
-            requests.append(RequestResult(c, index, None, (), 0, wall, "run_timeout", detail))
+            requests.append(
+                RequestResult(
+                    c, index, None, (), 0, wall, "run_timeout", detail, late=plans[c].late
+                )
+            )
     return summarize(
         url=url,
         model=model,
-        clients=clients,
+        clients=sum(not plan.late for plan in plans),
         requests_per_client=requests_per_client,
-        max_tokens=max_tokens,
+        max_tokens=plans[0].requests[0][1],
         wall_s=wall,
         requests=requests,
     )
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f}"
-
-
-def format_result(result: LoadResult) -> str:
-    """A few human-readable lines about one run."""
-    lines = [
-        f"{result.clients} clients x {result.requests_per_client} requests, "
-        f"max_tokens {result.max_tokens}, model {result.model}",
-        f"  {result.completion_tokens} tokens in {result.wall_s:.1f} s: "
-        f"{result.tokens_per_s:.1f} tok/s",
-        f"  TTFT p50/p99 {_ms(result.ttft_p50_s)}/{_ms(result.ttft_p99_s)} ms, "
-        f"ITL p50/p99 {_ms(result.itl_p50_s)}/{_ms(result.itl_p99_s)} ms",
-        f"  errors: {result.num_errors} of {result.num_requests} {result.errors or ''}".rstrip(),
-    ]
-    details = sorted({f"{r.error}: {r.detail}" for r in result.requests if not r.is_ok})
-    lines.extend(f"    {d}" for d in details[:5])
-    return "\n".join(lines)

@@ -3,6 +3,7 @@
 The runner fills these; the report reads only the JSON they become, so a saved file can be
 reported again without running anything. ``scenario`` in each level row names the scenario
 (``scenarios.SCENARIOS``); a file written before scenarios existed has none and is ``chat``.
+``round`` numbers a level's rounds from 0; a file written before rounds existed has one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .load import LoadResult
+from .load_result import LoadResult
 
 MB = 1024 * 1024
 
@@ -29,6 +30,7 @@ class Measurement:
     result: LoadResult
     other_cpu_share: float | None
     peak_rss_bytes: int | None
+    round: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ def machine() -> dict[str, Any]:
 def _level_row(m: Measurement) -> dict[str, Any]:
     return {
         "scenario": m.scenario,
+        "round": m.round,
         **m.result.summary(),
         "other_cpu_share": m.other_cpu_share,
         "peak_rss_mb": None if m.peak_rss_bytes is None else m.peak_rss_bytes / MB,
@@ -97,7 +100,7 @@ def to_json(
                 "kind": system.kind,
                 "startup_s": system.startup_s,
                 "error": system.error,
-                "levels": sorted(levels, key=lambda lv: lv["clients"]),
+                "levels": sorted(levels, key=lambda lv: (lv["clients"], lv["round"])),
             }
         )
     data: dict[str, Any] = {

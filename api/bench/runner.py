@@ -28,11 +28,17 @@ import httpx
 import trio
 
 from . import cpu_share, report
-from .load import LoadResult, RequestResult, run_load, summarize
+from .goals import probe_line
+from .load import run_load, run_streams
+from .load_result import LoadResult, summarize
+from .plan import Run, plan, scenario_settings
 from .results import Measurement, SystemRecord, to_json
 from .scenarios import Scenario
 from .server_process import free_loopback_port, open_server, stop_process
+from .stream import RequestResult
+from .summary import pct
 from .systems import (
+    BASELINE,
     MAX_BATCH,
     PREFILL_BATCH,
     PREFILL_CHUNK,
@@ -149,20 +155,12 @@ class Target:
         return SystemRecord(self.key, self.label, self.kind, self.startup_s, self.error)
 
     async def run(self, scenario: Scenario, clients: int, prompt_offset: int) -> LoadResult:
-        max_tokens = scenario.max_tokens
+        streams = scenario.streams(clients, prompt_offset)
         if self.worker is None:
             assert self.url is not None
-            return await run_load(
-                self.url,
-                clients=clients,
-                max_tokens=max_tokens,
-                model=self.model,
-                prompt_offset=prompt_offset,
-                prompt_of=scenario.prompt,
-            )
-        command = {"op": "run", "scenario": scenario.name, "clients": clients}
-        command["max_tokens"] = max_tokens
-        answer = await self.worker.ask({**command, "prompt_offset": prompt_offset})
+            return await run_streams(self.url, streams, model=self.model)
+        command = {"op": "run", "streams": [s.to_json() for s in streams]}
+        answer = await self.worker.ask(command)
         requests = [
             RequestResult(**{**r, "inter_token_s": tuple(r["inter_token_s"])})
             for r in answer["requests"]
@@ -172,16 +170,21 @@ class Target:
             model="default",
             clients=clients,
             requests_per_client=1,
-            max_tokens=max_tokens,
+            max_tokens=scenario.max_tokens,
             wall_s=answer["wall_s"],
             requests=requests,
         )
 
 
 async def start_target(
-    stack: AsyncExitStack, key: str, f32_dir: Path | None, log_dir: Path
+    stack: AsyncExitStack,
+    key: str,
+    f32_dir: Path | None,
+    log_dir: Path,
+    baseline: Path | None = None,
 ) -> Target:
-    """Start ``key``'s process inside ``stack`` (stopped when it closes), warmed up."""
+    """Start ``key``'s process inside ``stack`` (stopped when it closes), warmed up; the
+    baseline's server with the interpreter ``baseline``."""
     d = SYSTEMS[key]
     started = time.perf_counter()
     log_path = log_dir / f"bench-{key}.log"
@@ -190,7 +193,12 @@ async def start_target(
         startup_s = time.perf_counter() - started
         return Target(key, d.label, d.kind, worker.pid, worker=worker, startup_s=startup_s)
     port = free_loopback_port()
-    spec = server_spec(d.system, port, f32_dir, listen_backlog=d.listen_backlog)
+    python = sys.executable
+    if key == BASELINE:
+        if baseline is None:
+            raise RuntimeError("no interpreter given for the baseline (--baseline PYTHON)")
+        python = str(baseline)
+    spec = server_spec(d.system, port, f32_dir, listen_backlog=d.listen_backlog, python=python)
     server = await stack.enter_async_context(open_server(key, spec.argv, port, log_path))
     target = Target(key, d.label, d.kind, server.pid, url=server.url, model=spec.model)
     # The same warm-up as the workers': prompts 0..3, a few tokens each.
@@ -205,33 +213,15 @@ async def start_target(
 # -- measuring ------------------------------------------------------------------------------------
 
 
-async def measure(
-    target: Target, scenario: Scenario, clients: int, prompt_offset: int
-) -> Measurement:
+async def measure(target: Target, run: Run) -> Measurement:
     """Load ``target`` once; its process's peak RSS and other processes' CPU share meanwhile."""
     reset_peak_rss(target.pid)
     watched = [os.getpid(), target.pid]
     before = cpu_share.sample(watched)
-    result = await target.run(scenario, clients, prompt_offset)
+    result = await target.run(run.scenario, run.clients, run.prompt_offset)
     share = cpu_share.other_share(before, cpu_share.sample(watched))
-    return Measurement(target.key, scenario.name, result, share, read_peak_rss(target.pid))
-
-
-def plan(
-    scenarios: Sequence[Scenario], keys: Sequence[str], levels: Sequence[int]
-) -> list[tuple[Scenario, int, str]]:
-    """(scenario, level, system) in run order: scenarios in turn, levels ascending in each,
-    systems rotating from level to level (single-stream systems at level 1 only)."""
-    runs = []
-    for scenario in scenarios:
-        for i, clients in enumerate(levels):
-            order = list(keys[i % len(keys) :]) + list(keys[: i % len(keys)])
-            runs.extend(
-                (scenario, clients, k)
-                for k in order
-                if clients == 1 or not SYSTEMS[k].is_single_stream
-            )
-    return runs
+    rss = read_peak_rss(target.pid)
+    return Measurement(target.key, run.scenario.name, result, share, rss, run.round)
 
 
 async def idle_other_share(seconds: float) -> float | None:
@@ -249,15 +239,18 @@ async def run_suite(
     f32_dir: Path | None,
     log_dir: Path,
     cancel_probe: bool = True,
+    rounds: int = 1,
+    baseline: Path | None = None,
 ) -> dict:
-    """Start every system in ``keys``, run the plan, probe cancellation; a JSON-ready dict.
+    """Start every system in ``keys``, run the plan (``rounds`` of each level), probe
+    cancellation; a JSON-ready dict.
 
     A system that does not start, or fails at some level, is recorded with its error and left
     out of the rest of the run; the others go on. Cancelled: every system is stopped first.
     """
     keys = [k for k in SYSTEMS if k in keys]  # the table's order, whatever the flag's
     idle_share = await idle_other_share(IDLE_PROBE_S)
-    logger.info("other processes' CPU share before starting: %s", report.pct(idle_share))
+    logger.info("other processes' CPU share before starting: %s", pct(idle_share))
     targets: dict[str, Target] = {}
     measurements: list[Measurement] = []
     probe: dict | None = None
@@ -265,32 +258,33 @@ async def run_suite(
         for key in keys:
             logger.info("starting %s", key)
             try:
-                targets[key] = await start_target(stack, key, f32_dir, log_dir)
+                targets[key] = await start_target(stack, key, f32_dir, log_dir, baseline)
             except (RuntimeError, OSError, httpx.HTTPError, trio.TooSlowError) as exc:
                 d = SYSTEMS[key]
                 log = log_dir / f"bench-{key}.log"
                 logger.error("%s did not start: %r (it needs %s; see %s)", key, exc, d.needs, log)
                 error = f"did not start: {exc!r} (needs {d.needs})"
                 targets[key] = Target(key, d.label, d.kind, pid=0, error=error)
-        runs = plan(scenarios, keys, levels)
-        offsets = {c: WARMUP_CLIENTS + sum(levels[: levels.index(c)]) for c in levels}
-        for n, (scenario, clients, key) in enumerate(runs, 1):
-            target = targets[key]
+        runs = plan(scenarios, keys, levels, rounds)
+        for n, run in enumerate(runs, 1):
+            target = targets[run.key]
             if target.error is not None:
                 continue
-            label = f"{SYSTEMS[key].label} [{scenario.name}]"
-            logger.info("(%d/%d) %s: %d streams ...", n, len(runs), label, clients)
+            label = f"{SYSTEMS[run.key].label} [{run.scenario.name}]"
+            if rounds > 1:
+                label += f" round {run.round + 1}/{rounds}"
+            logger.info("(%d/%d) %s: %d streams ...", n, len(runs), label, run.clients)
             try:
-                m = await measure(target, scenario, clients, offsets[clients])
+                m = await measure(target, run)
             except (RuntimeError, OSError, httpx.HTTPError, trio.TooSlowError) as exc:
-                logger.error("%s failed at %d streams: %r", key, clients, exc)
-                target.error = f"failed at {clients} streams ({scenario.name}): {exc!r}"
+                logger.error("%s failed at %d streams: %r", run.key, run.clients, exc)
+                target.error = f"failed at {run.clients} streams ({run.scenario.name}): {exc!r}"
                 continue
             measurements.append(m)
             logger.info("(%d/%d) %s", n, len(runs), report.one_line(label, m))
             if m.other_cpu_share is not None and m.other_cpu_share > BUSY_OTHER_SHARE:
                 logger.warning(
-                    "other processes took %s of the CPU meanwhile", report.pct(m.other_cpu_share)
+                    "other processes took %s of the CPU meanwhile", pct(m.other_cpu_share)
                 )
         inprocess = targets.get("mlx-trio-inprocess")
         if cancel_probe and inprocess is not None and inprocess.error is None:
@@ -304,15 +298,10 @@ async def run_suite(
         idle_other_share=idle_share,
         settings={
             "max_tokens": scenarios[0].max_tokens,
-            "scenarios": [
-                {
-                    "name": s.name,
-                    "max_tokens": s.max_tokens,
-                    "context_sentences": s.context_sentences,
-                }
-                for s in scenarios
-            ],
+            "scenarios": [scenario_settings(s) for s in scenarios],
             "concurrency": list(levels),
+            "rounds": rounds,
+            "baseline": None if baseline is None else str(baseline),
             "max_batch": MAX_BATCH,
             "prefill_batch": PREFILL_BATCH,
             "prefill_chunk": PREFILL_CHUNK,
@@ -330,5 +319,5 @@ async def probe_cancel(worker: Worker) -> dict:
     except (RuntimeError, OSError, trio.TooSlowError) as exc:
         logger.error("cancel probe failed: %r", exc)
         return {"error": repr(exc)}
-    logger.info("cancel probe: %s", report.probe_line(probe["trials"]))
+    logger.info("cancel probe: %s", probe_line(probe["trials"]))
     return probe

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -28,7 +29,8 @@ class RequestResult:
     request, what arrived before it failed). ``error``: None, or
     a kind: ``http_<status>``, ``connect_error``, ``read_error``, ``write_error``,
     ``protocol_error``, ``timeout``, ``stream_error``, ``bad_json``, ``missing_done``,
-    ``run_timeout``; ``detail`` says more.
+    ``run_timeout``; ``detail`` says more. ``late``: one of a scenario's late streams
+    (``scenarios.Stream``); ``sent_s``: when it was sent, in seconds from the run's start.
     """
 
     client: int
@@ -39,6 +41,8 @@ class RequestResult:
     elapsed_s: float
     error: str | None = None
     detail: str | None = None
+    late: bool = False
+    sent_s: float | None = None
 
     def to_json(self) -> dict[str, object]:
         """The fields a results file keeps for each request (not the per-token gaps)."""
@@ -49,6 +53,8 @@ class RequestResult:
             "elapsed_s": self.elapsed_s,
             "error": self.error,
             "detail": self.detail,
+            "late": self.late,
+            "sent_s": self.sent_s,
         }
 
     @property
@@ -75,7 +81,10 @@ def _content_of(chunk: dict) -> str:
 
 @dataclass(slots=True)
 class StreamProgress:
-    """What one request has measured so far; kept when the request fails or times out."""
+    """What one request has measured so far; kept when the request fails or times out.
+
+    ``on_first``: called when its first content arrives (a scenario's late streams wait for
+    the first streams' first tokens)."""
 
     started: float
     ttft_s: float | None = None
@@ -83,11 +92,14 @@ class StreamProgress:
     num_chunks: int = 0
     usage_tokens: int | None = None
     last: float | None = None
+    on_first: Callable[[], None] | None = None
 
     def content_arrived(self) -> None:
         now = time.perf_counter()
         if self.last is None:
             self.ttft_s = now - self.started
+            if self.on_first is not None:
+                self.on_first()
         else:
             self.gaps.append(now - self.last)
         self.last = now
@@ -154,14 +166,19 @@ async def run_request(
     body: dict,
     timeout_s: float,
     timeout_kind: str = "timeout",
+    late: bool = False,
+    on_first: Callable[[], None] | None = None,
+    run_started: float | None = None,
 ) -> RequestResult:
     """One request, bounded by ``timeout_s``; every failure becomes a failed RequestResult.
 
     Running out of time is error ``timeout_kind``. A failed request keeps what it measured
-    before failing (TTFT, gaps, chunks received).
+    before failing (TTFT, gaps, chunks received). ``late`` is recorded in the result, and the
+    send time from ``run_started`` (``time.perf_counter()``), if given; ``on_first`` is called
+    when the first content arrives.
     Cancelled from outside: the cancellation propagates and the connection is closed.
     """
-    progress = StreamProgress(started=time.perf_counter())
+    progress = StreamProgress(started=time.perf_counter(), on_first=on_first)
     error: str | None = None
     detail: str | None = None
     with trio.move_on_after(timeout_s) as scope:
@@ -185,4 +202,6 @@ async def run_request(
         elapsed_s=elapsed,
         error=error,
         detail=detail,
+        late=late,
+        sent_s=None if run_started is None else progress.started - run_started,
     )

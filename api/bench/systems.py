@@ -5,7 +5,10 @@ started (an in-process ``worker`` subprocess, or a server loaded over HTTP) and 
 Both servers serve the embedded default model in float32 on CPU: mlx-trio dequantizes it at load;
 ``mlx_lm.server`` gets a float32 copy made once with ``mlx_lm.convert`` into the model cache
 (the same procedure: scales to float32, then dequantize), and OpenBLAS loaded before MLX, as
-mlx-trio does for itself.
+mlx-trio does for itself, at OpenBLAS's own thread count (one a core, or
+``OPENBLAS_NUM_THREADS``): what mlx-lm gets with OpenBLAS preloaded. Each server otherwise
+runs with its own defaults (mlx_lm.server: 32 rows decoded together, 8 prompts prefilled
+together in steps of 2,048 tokens; mlx-trio: its token budget, ``engine/schedule.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 SERVERS = ("mlx-trio", "mlx_lm")
 F32_MODEL_NAME = "smollm2-135m-instruct-f32"
-# mlx-trio runs with --max-batch 32; its batch engine prefills up to 8 prompts at once in chunks
-# of 256 tokens (engine/batch.py). mlx_lm.server gets the same: --decode-concurrency 32 (rows
-# decoded together), --prompt-concurrency 8 (prompts prefilled together), --prefill-step-size 256.
+# mlx-trio runs with --max-batch 32, its default. The in-process raw BatchGenerator prefills 8
+# prompts at once in chunks of 256 tokens, as mlx-trio's batch engine did before its token
+# budget (engine/batch.py without one).
 MAX_BATCH = 32
 PREFILL_BATCH = 8
 PREFILL_CHUNK = 256
@@ -39,7 +42,8 @@ WARMUP_MAX_TOKENS = 8
 class SystemDef:
     """How the harness names a system and starts it: a worker's or a server's system name.
 
-    ``needs``: what must be installed for it, said when it cannot start.
+    ``needs``: what must be installed for it, said when it cannot start. ``on_request``: run
+    only when asked for (the baseline, which needs ``--baseline``), not by default.
     """
 
     label: str
@@ -48,6 +52,7 @@ class SystemDef:
     listen_backlog: int | None = None
     is_single_stream: bool = False
     needs: str = "mlx-lm (installed with mlx-trio)"
+    on_request: bool = False
 
 
 SYSTEMS = {
@@ -59,6 +64,15 @@ SYSTEMS = {
         "mlx-trio in-process", "in-process", "mlx-trio", needs="mlx-trio"
     ),
     "mlx-trio-http": SystemDef("mlx-trio HTTP", "http", "mlx-trio", needs="mlx-trio"),
+    # mlx-trio as another install serves it (--baseline PYTHON: that install's interpreter, say
+    # a venv of an earlier commit's checkout), to measure a change against what it changed.
+    "mlx-trio-http-baseline": SystemDef(
+        "mlx-trio HTTP, baseline",
+        "http",
+        "mlx-trio",
+        needs="--baseline PYTHON, the interpreter of another install of mlx-trio",
+        on_request=True,
+    ),
     "mlx_lm-http": SystemDef("mlx_lm.server", "http", "mlx_lm"),
     # Stock mlx_lm.server listens with socketserver's backlog of 5 and resets connections
     # beyond it in a burst; this one gets a backlog of 128, so every stream is served.
@@ -106,39 +120,45 @@ def ensure_f32_model() -> Path:
     return target
 
 
+DEFAULT_SYSTEMS = tuple(key for key, d in SYSTEMS.items() if not d.on_request)
+BASELINE = "mlx-trio-http-baseline"
+
+
 def server_spec(
-    system: str, port: int, f32_dir: Path | None, *, listen_backlog: int | None = None
+    system: str,
+    port: int,
+    f32_dir: Path | None,
+    *,
+    listen_backlog: int | None = None,
+    python: str = sys.executable,
 ) -> ServerSpec:
     """The command line for ``system`` listening on 127.0.0.1:``port``.
 
     ``listen_backlog`` (mlx_lm only): the listening socket's backlog instead of Python
-    ``socketserver``'s 5, past which a burst of new connections is reset.
+    ``socketserver``'s 5, past which a burst of new connections is reset. ``python`` (mlx-trio
+    only): the interpreter whose install serves.
     """
     host = ("--host", "127.0.0.1", "--port", str(port))
     if system == "mlx-trio":
-        argv = (sys.executable, "-m", "mlx_trio.api.cli", "serve", *host)
+        argv = (python, "-m", "mlx_trio.api.cli", "serve", *host)
         return ServerSpec(system, (*argv, "--max-batch", str(MAX_BATCH)), model=None)
     if system == "mlx_lm":
         if f32_dir is None:
             raise ValueError("mlx_lm.server needs the float32 model (ensure_f32_model)")
-        # Importing mlx_trio.engine first loads OpenBLAS before MLX, as mlx-trio does for itself.
+        # Importing mlx_trio.engine._blas first loads OpenBLAS before MLX, as mlx-trio does for
+        # itself; then OpenBLAS gets back the thread count it loaded with, which _blas pinned.
         backlog = (
             ""
             if listen_backlog is None
             else f"socketserver.TCPServer.request_queue_size = {listen_backlog}; "
         )
         code = (
-            f"import mlx_trio.engine, socketserver, sys; {backlog}from mlx_lm.server import main; "
-            "sys.argv[0] = 'mlx_lm.server'; main()"
-        )
-        flags = (
-            ("--decode-concurrency", str(MAX_BATCH)),
-            ("--prompt-concurrency", str(PREFILL_BATCH)),
-            ("--prefill-step-size", str(PREFILL_CHUNK)),
+            "import os, socketserver, sys; import mlx_trio.engine._blas as blas; "
+            "'OPENBLAS_NUM_THREADS' in os.environ or blas.set_threads(blas.own_threads() or 1); "
+            f"{backlog}from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
         )
         model = str(f32_dir.resolve())
-        argv = (sys.executable, "-c", code, "--model", model, *host)
         # The request names the model exactly as --model does: mlx_lm.server reloads weights
         # for any other id, and its GET /v1/models fails without a Hugging Face cache.
-        return ServerSpec(system, (*argv, *(f for pair in flags for f in pair)), model=model)
+        return ServerSpec(system, (sys.executable, "-c", code, "--model", model, *host), model)
     raise ValueError(f"unknown server {system!r}; choose from {', '.join(SERVERS)}")

@@ -3,17 +3,23 @@
 ``python -m mlx_trio.api.bench.worker SYSTEM`` loads the default model (float32 on CPU, prompt
 cache off), prints one ready line, then answers one JSON line on stdout per JSON line on stdin:
 
-- ``{"op": "run", "scenario": S, "clients": N, "max_tokens": M, "prompt_offset": K}``: N
-  streams of scenario S's prompts K..K+N-1 (``scenarios.SCENARIOS``), greedy; the answer is the
-  wall time and one ``RequestResult`` per stream, measured as ``stream`` measures an HTTP one.
+- ``{"op": "run", "streams": [{"prompt": P, "max_tokens": M, "late": L}, ...]}``: a
+  scenario's streams (``scenarios.Stream``), greedy, the late ones started once every other
+  stream has its first token or has ended; the answer is the wall time and one
+  ``RequestResult`` per stream, measured as ``stream`` measures an HTTP one.
 - ``{"op": "cancel_probe", "streams": 8, "trials": 5, "prompt_offset": K}`` (``mlx-trio``
   only): with ``streams`` running, cancel one and count the batch steps started between the
   cancel and the row leaving the batch; one answer row per trial.
 
 SYSTEM is ``stream_generate`` (mlx-lm's single-stream loop: N streams run one after another),
-``batch_generator`` (mlx-lm's ``BatchGenerator`` on its own, all N inserted at once) or
-``mlx-trio`` (the in-process API over ``open_runtime``). Each runs in its own process so that
-its peak RSS is its own. Anything else the process prints goes to stderr.
+``batch_generator`` (mlx-lm's ``BatchGenerator`` on its own, all N inserted at once, the late
+ones when the others have their first tokens) or ``mlx-trio`` (the in-process API over
+``open_runtime``). Each runs in its own process so that its peak RSS is its own. Anything else
+the process prints goes to stderr.
+
+The raw mlx-lm systems are ``raw_systems``; they run OpenBLAS at its own thread count (one a
+core), as mlx-lm does with OpenBLAS loaded and as ``mlx_lm.server`` runs in the harness;
+mlx-trio chooses its own (``engine/threads.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from collections.abc import Callable
+from functools import partial
 from typing import TextIO
 
 import trio
@@ -40,117 +46,21 @@ from ...actors.messages import (
     GenerationRequest,
     TextDelta,
 )
+from ...engine import _blas
 from ...engine.errors import MlxTrioError
 from ...engine.generate import Engine
-from ...engine.params import SamplingParams
 from ...engine.prompt import ChatMessage
 from ..inprocess import RuntimeHandle, SessionHandle, open_runtime
-from .scenarios import DEFAULT_SCENARIO, SCENARIOS, prompt
-from .stream import RequestResult, StreamProgress
-from .systems import MAX_BATCH, PREFILL_BATCH, PREFILL_CHUNK, WARMUP_CLIENTS, WARMUP_MAX_TOKENS
+from .load import FirstTokens
+from .raw_systems import Handler, params, raw_handler, stream_result, streams_of
+from .scenarios import DEFAULT_SCENARIO, SCENARIOS, Stream, prompt
+from .stream import StreamProgress
+from .systems import MAX_BATCH, WARMUP_CLIENTS, WARMUP_MAX_TOKENS
 
 SYSTEMS = ("stream_generate", "batch_generator", "mlx-trio")
 PROBE_MAX_TOKENS = 256
 PROBE_TOKENS_BEFORE_CANCEL = 3
 PROBE_WAIT_S = 60.0
-
-Handler = Callable[[dict], Awaitable[dict]]
-
-
-def _params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens)
-
-
-def _prompt_of(command: dict) -> Callable[[int], str]:
-    """The prompts of the command's scenario (``chat`` if it names none)."""
-    return SCENARIOS[command.get("scenario", DEFAULT_SCENARIO)].prompt
-
-
-def _tokens(engine: Engine, text: str, max_tokens: int) -> list[int]:
-    """The prompt tokens every system gets: the chat template over one user message."""
-    request = engine.prepare([ChatMessage("user", text)], _params(max_tokens))
-    return list(request.prompt_tokens)
-
-
-def _result(index: int, progress: StreamProgress, end: float, error: str | None) -> dict:
-    result = RequestResult(
-        client=index,
-        index=0,
-        ttft_s=progress.ttft_s,
-        inter_token_s=tuple(progress.gaps),
-        completion_tokens=progress.completion_tokens,
-        elapsed_s=end - progress.started,
-        error=error,
-        detail=None,
-    )
-    return asdict(result)
-
-
-# -- raw mlx-lm -----------------------------------------------------------------------------------
-
-
-def run_stream_generate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    """Each prompt through ``stream_generate``, one after another (it serves one stream)."""
-    from mlx_lm.generate import stream_generate
-
-    results = []
-    for index, tokens in enumerate(prompts):
-        progress = StreamProgress(started=time.perf_counter())
-        for response in stream_generate(engine.model, engine.tokenizer, tokens, max_tokens):
-            if response.finish_reason != "stop":  # the end-of-turn token is not text
-                progress.content_arrived()
-            progress.usage_tokens = progress.num_chunks
-        results.append(_result(index, progress, time.perf_counter(), None))
-    return results
-
-
-def run_batch_generator(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    """All prompts inserted at once into a fresh ``BatchGenerator`` with mlx-trio's settings."""
-    from mlx_lm.generate import BatchGenerator
-
-    generator = BatchGenerator(
-        engine.model,
-        stop_tokens=[[t] for t in engine.tokenizer.eos_token_ids],
-        completion_batch_size=MAX_BATCH,
-        prefill_batch_size=PREFILL_BATCH,
-        prefill_step_size=PREFILL_CHUNK,
-    )
-    started = time.perf_counter()
-    progress = [StreamProgress(started=started) for _ in prompts]
-    ends = [started] * len(prompts)
-    uids = generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
-    index_of = {uid: i for i, uid in enumerate(uids)}
-    remaining = len(prompts)
-    while remaining:
-        for response in generator.next_generated():
-            i = index_of[response.uid]
-            if response.finish_reason != "stop":
-                progress[i].content_arrived()
-            if response.finish_reason is not None:
-                ends[i] = time.perf_counter()
-                progress[i].usage_tokens = progress[i].num_chunks
-                remaining -= 1
-    generator.close()
-    return [_result(i, p, ends[i], None) for i, p in enumerate(progress)]
-
-
-def raw_handler(system: str, engine: Engine) -> Handler:
-    run = run_stream_generate if system == "stream_generate" else run_batch_generator
-
-    async def handle(command: dict) -> dict:
-        if command["op"] != "run":
-            raise ValueError(f"{system} does not do {command['op']!r}")
-        max_tokens = command["max_tokens"]
-        first = command["prompt_offset"]
-        prompt_of = _prompt_of(command)
-        prompts = [
-            _tokens(engine, prompt_of(first + i), max_tokens) for i in range(command["clients"])
-        ]
-        started = time.perf_counter()
-        requests = run(engine, prompts, max_tokens)
-        return {"wall_s": time.perf_counter() - started, "requests": requests}
-
-    return handle
 
 
 # -- mlx-trio in-process --------------------------------------------------------------------------
@@ -182,13 +92,19 @@ class WatchedEngine(ThreadedEngine):
         self.removals.append((before, self.num_rows))
 
 
-async def _stream(rt: RuntimeHandle, index: int, text: str, max_tokens: int) -> dict:
+async def _stream(
+    rt: RuntimeHandle,
+    index: int,
+    stream: Stream,
+    run_started: float,
+    on_first: Callable[[], None] | None = None,
+) -> dict:
     """One session read to its outcome, measured like an HTTP stream."""
-    progress = StreamProgress(started=time.perf_counter())
+    progress = StreamProgress(started=time.perf_counter(), on_first=on_first)
     error: str | None = None
     try:
         handle = await rt.submit(
-            GenerationRequest((ChatMessage("user", text),), _params(max_tokens))
+            GenerationRequest((ChatMessage("user", stream.prompt),), params(stream.max_tokens))
         )
         async with handle:
             async for event in handle:
@@ -203,20 +119,28 @@ async def _stream(rt: RuntimeHandle, index: int, text: str, max_tokens: int) -> 
                         error = f"failed_{code}"
     except MlxTrioError as exc:
         error = type(exc).__name__
-    return _result(index, progress, time.perf_counter(), error)
+    return stream_result(index, progress, time.perf_counter(), error, stream.late, run_started)
 
 
-async def run_runtime(
-    rt: RuntimeHandle, prompt_of: Callable[[int], str], first: int, clients: int, max_tokens: int
-) -> dict:
-    results: list[dict] = [{}] * clients
+async def run_runtime(rt: RuntimeHandle, streams: list[Stream]) -> dict:
+    """Every stream a session at once, the late ones once the others have first tokens."""
+    results: list[dict] = [{}] * len(streams)
+    first_tokens = FirstTokens(i for i, s in enumerate(streams) if not s.late)
     started = time.perf_counter()
 
     async def one(i: int) -> None:
-        results[i] = await _stream(rt, i, prompt_of(first + i), max_tokens)
+        stream = streams[i]
+        if stream.late:
+            await first_tokens.all_started.wait()
+            results[i] = await _stream(rt, i, stream, started)
+            return
+        try:
+            results[i] = await _stream(rt, i, stream, started, partial(first_tokens.started, i))
+        finally:
+            first_tokens.started(i)
 
     async with trio.open_nursery() as nursery:
-        for i in range(clients):
+        for i in range(len(streams)):
             nursery.start_soon(one, i)
     return {"wall_s": time.perf_counter() - started, "requests": results}
 
@@ -244,8 +168,8 @@ async def _probe_once(rt: RuntimeHandle, port: WatchedEngine, first: int, stream
     with trio.fail_after(PROBE_WAIT_S):
         async with trio.open_nursery() as nursery:
             for i in range(streams):
-                params = _params(PROBE_MAX_TOKENS)
-                request = GenerationRequest((ChatMessage("user", prompt(first + i)),), params)
+                sampling = params(PROBE_MAX_TOKENS)
+                request = GenerationRequest((ChatMessage("user", prompt(first + i)),), sampling)
                 handles.append(await rt.submit(request))
                 nursery.start_soon(read, i, handles[-1])
             await all_decoding.wait()
@@ -280,13 +204,7 @@ def runtime_handler(rt: RuntimeHandle, port: WatchedEngine) -> Handler:
     async def handle(command: dict) -> dict:
         match command["op"]:
             case "run":
-                return await run_runtime(
-                    rt,
-                    _prompt_of(command),
-                    command["prompt_offset"],
-                    command["clients"],
-                    command["max_tokens"],
-                )
+                return await run_runtime(rt, streams_of(command))
             case "cancel_probe":
                 trials = []
                 first = command["prompt_offset"]
@@ -323,14 +241,13 @@ async def main_async(system: str, answers: TextIO) -> None:
         )
         answers.flush()
 
-    warmup = {
-        "op": "run",
-        "clients": WARMUP_CLIENTS,
-        "max_tokens": WARMUP_MAX_TOKENS,
-        "prompt_offset": 0,
-    }
+    streams = SCENARIOS[DEFAULT_SCENARIO].with_max_tokens(WARMUP_MAX_TOKENS).streams
+    warmup = {"op": "run", "streams": [s.to_json() for s in streams(WARMUP_CLIENTS, 0)]}
     if system != "mlx-trio":
         engine = Engine.load(None)
+        own = _blas.own_threads()
+        if own is not None and "OPENBLAS_NUM_THREADS" not in os.environ:
+            _blas.set_threads(own)  # mlx-lm's count with OpenBLAS loaded, as mlx_lm.server's
         handle = raw_handler(system, engine)
         await handle(warmup)
         ready(engine)
