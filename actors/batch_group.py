@@ -332,16 +332,16 @@ class BatchGroup:
             rows = [self._members.pop(k).row for k in departed]
             await self.engine.batch_remove(rows)
 
-    def steps_per_call(self) -> int:
-        """Steps for the next engine call (``CallPacer``): 1 while rows wait to join, a row
-        reads its prompt or a drain waits.
+    def call_plan(self) -> tuple[int, int]:
+        """The next engine call's steps, and the steps the engine may run ahead of the next
+        one (``CallPacer.plan``): one step while rows wait to join, a row reads its prompt or
+        a drain waits.
 
         A row reading its prompt: since the token budget, rows join at once and the engine
         prefills them over many steps, each of them long (a chunk of a prompt); calls of 16
         such steps held the decoding rows' tokens for 16-21 s on CPU (design/017)."""
-        return self.pacer.steps(
-            single=self._can_admit() or self._draining or self._reading_prompts()
-        )
+        single = self._can_admit() or self._draining or self._reading_prompts()
+        return self.pacer.plan(single=single, rows=self._num_active())
 
     def _reading_prompts(self) -> bool:
         """Whether a row in the batch has not had its first token yet."""
@@ -350,11 +350,11 @@ class BatchGroup:
     async def _step(self) -> None:
         self._steps += 1
         self.pacer.call_starts(self.engine.loop_cpu_s())
-        steps = self.steps_per_call()
+        steps, ahead = self.call_plan()
         started = trio.current_time()
         try:
             with trio.move_on_after(self.step_timeout_s * steps) as watchdog:
-                events = await self.engine.batch_step(steps)
+                events = await self.engine.batch_step(steps, ahead)
         except Exception as exc:
             # Handled here, not by _guarded, so that _advance goes on to give the lease back.
             await self._engine_failed("batch step", exc)
@@ -367,7 +367,7 @@ class BatchGroup:
             return
         self.record.succeeded()
         self.limit.call_succeeded()
-        self.pacer.call_ended(trio.current_time() - started, steps)
+        self.pacer.call_ended(trio.current_time() - started, steps, ahead)
         by_row = {m.row: k for k, m in self._members.items()}
         prefilled = decoded = 0
         for event in events:

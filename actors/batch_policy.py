@@ -5,7 +5,10 @@ event loop some work (the thread hop, the group waking, the fan-out, each consum
 that work holds the GIL the engine thread needs. When steps are fast (a GPU: 4 ms for one row,
 31 ms for 256) it would slow decoding down by a seventh at one row and by a third or more at
 256, so a call then runs several steps: as many as keep the loop's CPU time, measured call by
-call, near ``LOOP_SHARE`` of the call.
+call, near ``LOOP_SHARE`` of the call. A row's tokens then wait for the call's last step; so a
+small batch (``SMALL_BATCH`` rows or fewer, where the loop's work per call is small) runs one
+step a call instead and lets the engine run that many steps ahead of its calls: each call hands
+out what was sampled meanwhile, at once, and the engine does not wait for the loop either.
 
 :class:`BatchLimit`: how many rows the batch admits. A step that fails to allocate memory halves
 it; each ``RECOVER_AFTER_CALLS`` engine calls that succeed give one row back, up to
@@ -26,6 +29,10 @@ LOOP_SHARE = 0.03
 # Bounds how long a row's tokens wait to be sent: 16 steps are 40-60 ms at one row on an H200,
 # 0.3 s at 256 rows.
 MAX_STEPS_PER_CALL = 16
+# Batches of at most this many rows get their tokens as they are sampled (one step a call,
+# the engine running ahead): the loop's work per call is then 0.4-0.6 ms on a 2-core machine,
+# a fraction of a step even on an H200.
+SMALL_BATCH = 8
 RECOVER_AFTER_CALLS = 8
 
 
@@ -46,8 +53,11 @@ class CallPacer:
             self._loop_s = _moving_average(self._loop_s, loop_cpu_s - self._loop_mark)
         self._loop_mark = loop_cpu_s
 
-    def call_ended(self, seconds: float, steps: int) -> None:
-        self._step_s = _moving_average(self._step_s, seconds / steps)
+    def call_ended(self, seconds: float, steps: int, ahead: int = 0) -> None:
+        """A call of ``steps`` (and ``ahead``) took ``seconds``; a call with steps run ahead
+        of it does not say how long a step takes, and is not counted."""
+        if ahead == 0:
+            self._step_s = _moving_average(self._step_s, seconds / steps)
 
     def forget(self) -> None:
         """Idle, or the batch ended: the next call starts a new measurement of the loop's CPU
@@ -55,6 +65,15 @@ class CallPacer:
         closing) was the next batch's first sample, and the last batch's averages its start:
         a lone stream after a batch of long prompts ran 7-16 steps a call on CPU."""
         self._loop_mark = self._loop_s = self._step_s = None
+
+    def plan(self, *, single: bool, rows: int) -> tuple[int, int]:
+        """The next call's ``(steps, ahead)`` for a batch of ``rows`` (``steps``): a small
+        batch that would run several steps a call runs one and lets the engine run as many
+        ahead."""
+        steps = self.steps(single=single)
+        if self.fixed is None and steps > 1 and rows <= SMALL_BATCH:
+            return 1, steps
+        return steps, 0
 
     def steps(self, *, single: bool) -> int:
         """Steps for the next call: 1 when ``single`` (rows wait to join, or a drain waits),

@@ -189,7 +189,7 @@ class FaultyEngine:
             results.append(row)
         return results
 
-    async def batch_step(self, steps: int = 1) -> list[RowEvent]:
+    async def batch_step(self, steps: int = 1, ahead: int = 0) -> list[RowEvent]:
         """A step fault's ``at_step`` counts calls (each may run several steps)."""
         self.num_batch_steps += 1
         step = self.num_batch_steps
@@ -213,7 +213,7 @@ class FaultyEngine:
                         raise InjectedStepError("injected engine_crash: this engine cannot crash")
                     self.crash()  # the step below meets a dead engine
             break
-        events = await self.inner.batch_step(steps)
+        events = await self.inner.batch_step(steps, ahead)
         for event in events:
             if isinstance(event, RowOutput):
                 self._prefilling.discard(event.row)

@@ -117,12 +117,16 @@ class EnginePort(Protocol):
         that kept it out (the batch is then unchanged for it; the others are added)."""
         ...
 
-    async def batch_step(self, steps: int = 1) -> list[RowEvent]:
+    async def batch_step(self, steps: int = 1, ahead: int = 0) -> list[RowEvent]:
         """``steps`` times: one decode step for generating rows plus one prefill chunk for the
         others; fewer once no row is left or a row got its first token, so that a first token
         never waits for the rest of a call. Each row's tokens of the call come as one
         ``RowOutput``. An engine may run some of the steps ahead of the call, between calls
-        (``ThreadedEngine`` does, so that the hand-off does not leave it idle)."""
+        (the real one does, so that the hand-off does not leave it idle): up to ``steps - 1``
+        of the next call's, or ``ahead`` if more; a call returns the tokens of every step run
+        since the last one, and runs a step itself only if none ran ahead (or ``steps`` ask
+        for more). ``steps`` 1 with ``ahead``: each call hands out what the engine sampled
+        meanwhile, as soon as it asks (a small batch's smooth streams, design/017)."""
         ...
 
     async def batch_remove(self, rows: list[int]) -> None: ...

@@ -87,6 +87,7 @@ class ScriptedEngine:
         self._in_call = False
         self.num_batch_steps = 0
         self.num_batch_calls = 0
+        self.calls: list[tuple[int, int]] = []  # each batch call's (steps, ahead)
         self._loop_cpu_s = 0.0
         self._first_token = False
         self.num_serial_steps = 0
@@ -235,10 +236,12 @@ class ScriptedEngine:
         finally:
             self._leave()
 
-    async def batch_step(self, steps: int = 1) -> list[RowEvent]:
+    async def batch_step(self, steps: int = 1, ahead: int = 0) -> list[RowEvent]:
+        """``steps`` steps in the call; none run ahead of it (``ahead`` is recorded)."""
         await self._enter("batch_step", "batch")
         try:
             self.num_batch_calls += 1
+            self.calls.append((steps, ahead))
             done: list[list[RowEvent]] = []
             self._first_token = False  # like the real engine, a first token ends the call
             while len(done) < steps and not self._first_token:

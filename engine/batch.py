@@ -19,6 +19,8 @@ call's tokens, the engine thread runs up to ``steps - 1`` of the next call's ste
 they are then; a row removed or parked meanwhile loses or keeps those tokens as it would any
 other. Without this the engine waited out every hand-off: on an H200, where a step is mostly host
 work and the GPU idles while the host waits, that was 3-5% of a wave (design/008, change 13).
+A small batch's calls run one step and let the engine run several ahead: each call then hands
+out whatever was sampled since the last, at once, and the engine never waits (design/017).
 """
 
 from __future__ import annotations
@@ -236,13 +238,16 @@ class BatchEngine:
 
     # -- steps --------------------------------------------------------------------------------
 
-    def step(self, steps: int = 1) -> list[RowEvent]:
+    def step(self, steps: int = 1, ahead: int = 0) -> list[RowEvent]:
         """Run ``steps`` batch steps, fewer once no row is left or a row got its first token
         (a first token never waits for the rest of a call). Returns each row's latest
         progress, one output per row with its tokens, then the rows that failed.
 
         Steps run ahead of the call (:meth:`step_ahead`) count among its ``steps``; the call
-        runs the rest, at least one.
+        runs the rest, at least one if none ran ahead. Until the next call up to ``steps - 1``
+        steps may run ahead of it, or ``ahead`` if more: with ``steps`` 1 and ``ahead``, the
+        engine keeps stepping while the caller hands tokens out, and each call returns every
+        token sampled since the last (a small batch's smooth streams, design/017).
 
         A row's tokens come out once it has ``steps`` of them (so a call that a first token
         cut short does not cost an output for every other row), with its first token, and
@@ -255,30 +260,35 @@ class BatchEngine:
         holds and builds a new :class:`BatchEngine`.
         """
         self._raise_fault()
-        for _ in range(max(1, steps - self._ahead)):
+        for _ in range(max(0 if self._ahead else 1, steps - self._ahead)):
             if not self.num_active or self._first_token:
                 break
             self._step_once()
         events = self._call_events(steps)
-        self._ahead, self._ahead_limit = 0, steps - 1
+        self._ahead, self._ahead_limit = 0, max(steps - 1, ahead)
         self._first_token = False
         self._progress, self._touched = {}, {}
         return events
 
-    def step_ahead(self) -> bool:
-        """Run one step of the next call before it comes, if it may: fewer than ``steps - 1``
-        (the last call's) have run ahead, no row got its first token since (it goes out at
-        once with the next call), and a row is being stepped. Returns whether it stepped.
-
-        The engine thread calls this while no job waits. A step that raises here raises from
-        the next call instead (whichever it is), and none runs ahead until then.
-        """
-        if (
+    def may_step_ahead(self) -> bool:
+        """Whether a step may run ahead of the next call: fewer than the last call allowed
+        have, no row got its first token since (it goes out at once with the next call), no
+        step ahead failed, and a row is being stepped."""
+        return not (
             self._fault is not None
             or self._ahead >= self._ahead_limit
             or self._first_token
             or not self.num_active
-        ):
+        )
+
+    def step_ahead(self) -> bool:
+        """Run one step of the next call before it comes, if it may (:meth:`may_step_ahead`).
+        Returns whether it stepped.
+
+        The engine thread calls this while no job waits. A step that raises here raises from
+        the next call instead (whichever it is), and none runs ahead until then.
+        """
+        if not self.may_step_ahead():
             return False
         try:
             self._step_once()

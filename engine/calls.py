@@ -9,7 +9,7 @@ answers without a call). :func:`apply` matches the closed union :data:`EngineCal
 type here pickles: the engine process gets the calls and sends the replies over a socket.
 
     SerialStart(request) -> None          BatchAdd(requests) -> [row id | error, ...]
-    SerialStep() -> [RowEvent, ...]       BatchStep(steps) -> [RowEvent, ...]
+    SerialStep() -> [RowEvent, ...]       BatchStep(steps, ahead) -> [RowEvent, ...]
     SerialStop() -> None                  BatchRemove(rows) -> None
     RunFunction(fn, args) -> fn(*args)    BatchPark(row) -> bool
                                           BatchResume(row) -> None
@@ -63,6 +63,7 @@ class BatchAdd(Call[list[int | Exception]]):
 @dataclass(frozen=True, slots=True)
 class BatchStep(Call[list[RowEvent]]):
     steps: int = 1
+    ahead: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +172,8 @@ def apply(core: EngineCore, call: EngineCall) -> object:
             return core.serial_stop()
         case BatchAdd(requests):
             return core.batch_add(requests)
-        case BatchStep(steps):
-            return core.batch_step(steps)
+        case BatchStep(steps, ahead):
+            return core.batch_step(steps, ahead)
         case BatchRemove(rows):
             return core.batch_remove(list(rows))
         case BatchPark(row):

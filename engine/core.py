@@ -170,8 +170,18 @@ class EngineCore:
         self._steps_counted = 0
 
     def step_ahead(self) -> bool:
-        """Idle work: a step of the next batch call, if it may run one; whether it ran one."""
-        return self._batch is not None and self._batch.step_ahead()
+        """Idle work: a step of the next batch call, if it may run one; whether it ran one.
+        Timed for the thread count as a call's steps are (a small batch's steps mostly run
+        ahead of their calls)."""
+        batch = self._batch
+        if batch is None or not batch.may_step_ahead():
+            return False
+        if self._threads is None:
+            return batch.step_ahead()
+        self._threads.begin(batch.shape())
+        ran = batch.step_ahead()
+        self._threads.end(1 if ran else 0)
+        return ran
 
     def _the_batch(self) -> BatchEngine:
         if self._batch is None:
@@ -191,14 +201,14 @@ class EngineCore:
         self.kv_bytes = batch.kv_bytes
         return rows
 
-    def batch_step(self, steps: int = 1) -> list[RowEvent]:
+    def batch_step(self, steps: int = 1, ahead: int = 0) -> list[RowEvent]:
         batch = self._the_batch()
         if self._threads is None:
-            events = batch.step(steps)
+            events = batch.step(steps, ahead)
         else:
             before = batch.steps_run
             self._threads.begin(batch.shape())
-            events = batch.step(steps)
+            events = batch.step(steps, ahead)
             self._threads.end(batch.steps_run - before)
         # Steps run ahead of the call count as its own.
         self.batch_steps_run += batch.steps_run - self._steps_counted

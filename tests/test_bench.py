@@ -17,7 +17,7 @@ from mlx_trio.api.bench.plan import plan
 from mlx_trio.api.bench.results import Measurement, SystemRecord, to_json
 from mlx_trio.api.bench.scenarios import SCENARIOS, parse_scenarios, prompt
 from mlx_trio.api.bench.stream import RequestResult
-from mlx_trio.api.bench.systems import SYSTEMS
+from mlx_trio.api.bench.systems import SYSTEMS, server_spec
 from mlx_trio.api.cli import main
 
 SAVED = Path(__file__).parent / "data" / "bench_suite.json"  # bench/results/suite.json, trimmed
@@ -59,6 +59,15 @@ def test_a_flag_or_system_of_the_other_run_is_refused() -> None:
         "['mlx_lm-http'] are not the GPU run's (--gpu) systems; choose from generate_step,"
         in done.stderr
     )
+
+
+def test_a_model_dir_is_served_by_both_servers(tmp_path: Path) -> None:
+    done = mlx_trio("bench", "--model-dir", str(tmp_path), "--concurrency", "1")
+    assert done.returncode != 0 and "no config.json there" in done.stderr
+    ours = server_spec("mlx-trio", 8000, None, model_dir=tmp_path)
+    theirs = server_spec("mlx_lm", 8001, Path("f32"), model_dir=tmp_path)
+    assert ours.argv[-2:] == ("--model", str(tmp_path.resolve()))
+    assert theirs.model == str(tmp_path.resolve()) and "--model" in theirs.argv
 
 
 def test_the_default_scenario_is_the_readme_one() -> None:
@@ -103,13 +112,17 @@ def test_rounds_alternate_the_order_and_never_send_a_server_the_same_prompt_twic
 
 def test_the_long_context_and_mixed_scenarios() -> None:
     done = mlx_trio("bench", "--help")
-    assert "of chat,long-prompt,long-context,mixed" in done.stdout
+    assert "of chat,long-prompt,long-context,long-context-2k,mixed" in done.stdout
     long_context, mixed = SCENARIOS["long-context"], SCENARIOS["mixed"]
     assert long_context.max_tokens == 64
     assert 3500 < len(long_context.prompt(10)) < 6000  # about 1,000 tokens
     streams = mixed.streams(8, 100)
     assert [(s.max_tokens, s.late) for s in streams] == [(128, False)] * 8 + [(64, True)] * 4
     assert streams[0].prompt == prompt(100) and streams[8].prompt == long_context.prompt(108)
+    # At 64 streams (the GPU's mixed load), a quarter as many long prompts arrive.
+    assert sum(s.late for s in mixed.streams(64, 0)) == 16 and mixed.num_streams(64) == 80
+    long_2k = SCENARIOS["long-context-2k"].prompt(10)
+    assert 1.9 < len(long_2k) / len(long_context.prompt(10)) < 2.1  # about 2,000 tokens
     # --max-tokens shortens both groups; a single-stream system never runs a mixed level.
     assert {s.max_tokens for s in mixed.with_max_tokens(4).streams(2, 0)} == {4}
     assert "stream_generate" not in {r.key for r in plan([mixed], list(SYSTEMS), [1])}
@@ -261,8 +274,9 @@ def test_a_mixed_run_reports_the_short_streams_gaps_and_paired_ratios(
     ]
     data = to_json(
         systems=[
-            SystemRecord(ours, "mlx-trio HTTP", "http", 1, None),
-            SystemRecord(theirs, "mlx_lm.server, backlog 128", "http", 1, None),
+            # Its first warm-up burst, sent once /health turned 200, waited 2.5x the next one.
+            SystemRecord(ours, "mlx-trio HTTP", "http", 1, None, (0.5, 0.2)),
+            SystemRecord(theirs, "mlx_lm.server, backlog 128", "http", 1, None, (0.3, 0.2)),
         ],
         measurements=measurements,
         probe=None,
@@ -287,5 +301,9 @@ def test_a_mixed_run_reports_the_short_streams_gaps_and_paired_ratios(
     assert "| mixed | 2 | 1.50x | 1.00x |" in out
     assert "- met: mixed over HTTP: the first streams' inter-token gap p99 <= 3x" in out
     assert "- not measured: long-context at 8 streams over HTTP: >= 1.2x tok/s" in out
+    assert (
+        "- MISSED: the first burst after /health turns 200: TTFT p99 within 2x of the next "
+        "burst's (mlx-trio HTTP): mlx-trio HTTP: 500 ms, then 200 ms (2.5x)"
+    ) in out
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "s.png").stat().st_size > 0

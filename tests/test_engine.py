@@ -625,6 +625,32 @@ def test_a_row_that_ends_in_a_step_run_ahead_cannot_be_parked_and_ends_with_the_
     assert batch.num_rows == 0 and batch.kv_bytes == 0
 
 
+def test_one_step_calls_hand_out_what_ran_ahead_and_run_no_step_of_their_own(tiny_engine):
+    # A small batch's calls (steps 1, ahead 4): the engine runs up to 4 steps between calls;
+    # a call returns their tokens at once and runs a step only when none ran ahead.
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = [solo_tokens(tiny_engine, p, params) for p in PROMPTS[:2]]
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    rows = [batch.add(tiny_engine.prepare(p, params)) for p in PROMPTS[:2]]
+    got: dict[int, list[int]] = {row: [] for row in rows}
+    calls: list[tuple[int, list[int]]] = []  # each call's own steps, and its outputs' tokens
+    while batch.num_rows:
+        before = batch.steps_run
+        events = batch.step(1, ahead=4)
+        outputs = [e for e in events if isinstance(e, RowOutput)]
+        calls.append((batch.steps_run - before, [len(e.delta.token_ids) for e in outputs]))
+        for event in outputs:
+            got[event.row].extend(event.delta.token_ids)
+        assert run_ahead(batch) <= 4
+    assert [got[row] for row in rows] == expected  # greedy output unchanged
+    # A first token goes out with the next call at once (no step runs ahead after it); every
+    # later call ran none of its own and handed out the 4 steps run ahead of it (the last,
+    # what was left).
+    first = next(i for i, (_, sizes) in enumerate(calls) if sizes)
+    assert calls[first][1] == [1, 1]
+    assert calls[first + 1 :] == [(0, [4, 4]), (0, [4, 4]), (0, [3, 3])]
+
+
 def test_a_step_that_fails_ahead_of_a_call_raises_from_the_next_call(tiny_engine, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=20)
     batch = BatchEngine(tiny_engine, max_batch=4)

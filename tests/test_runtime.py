@@ -483,20 +483,26 @@ async def test_a_large_fast_batch_takes_several_steps_a_call_with_the_same_token
             assert engine.num_batch_calls < engine.num_batch_steps / 2
 
 
-async def test_a_lone_stream_after_a_large_batch_is_not_paced_by_it(autojump_clock):
-    # 64 rows of 10 ms steps run several steps a call; the lone stream after them takes its
-    # own measure (two steps a call at most for one row), not theirs (which gave it 4 at first).
+async def test_a_lone_stream_gets_its_tokens_as_sampled_and_a_large_batch_in_calls(
+    autojump_clock,
+):
+    # 64 rows of 10 ms steps run several steps a call, each row's tokens handed out together;
+    # a lone stream after them runs one step a call and lets the engine run ahead instead, so
+    # each token goes out as it is sampled (the scripted engine runs none ahead: one a call).
     async with scripted(Script(step_s=0.01), max_batch=64, max_live=64) as (rt, engine):
         async with trio.open_nursery() as nursery:
             for i in range(64):
                 nursery.start_soon(rt.collect, request(f"prompt {i}", max_tokens=60))
         assert engine.num_batch_calls < engine.num_batch_steps / 3
+        calls_before = len(engine.calls)
         chunks = []
         handle = await rt.submit(request("alone", max_tokens=30))
         async for event in handle:
             if isinstance(event, TextDelta):
                 chunks.append(len(event.token_ids))
-    assert sum(chunks) == 30 and max(chunks) <= 2
+    assert sum(chunks) == 30 and max(chunks) == 1
+    lone = engine.calls[calls_before:]
+    assert {steps for steps, _ in lone} == {1} and max(ahead for _, ahead in lone) > 1
 
 
 async def test_several_steps_a_call_still_cancel_and_count_tokens(autojump_clock):

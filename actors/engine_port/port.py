@@ -254,8 +254,8 @@ class CorePort:
     async def batch_add(self, requests: Sequence[PreparedRequest]) -> list[int | Exception]:
         return await self._call(BatchAdd(tuple(requests)))
 
-    async def batch_step(self, steps: int = 1) -> list[RowEvent]:
-        return await self._call(BatchStep(steps))
+    async def batch_step(self, steps: int = 1, ahead: int = 0) -> list[RowEvent]:
+        return await self._call(BatchStep(steps, ahead))
 
     async def batch_remove(self, rows: list[int]) -> None:
         await self._call(BatchRemove(tuple(rows)))

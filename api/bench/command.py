@@ -37,7 +37,7 @@ DEFAULT_LEVELS = "1,4,8,16,32,64"
 DEFAULT_RESULTS = Path("bench-results")
 PLOT_EXTRA = "pip install 'mlx-trio[bench]'"
 # The flags of one run only, by dest (None when not given): the other run refuses them.
-SUITE_ONLY = ("scenarios", "cancel_probe", "baseline")
+SUITE_ONLY = ("scenarios", "cancel_probe", "baseline", "model_dir")
 GPU_ONLY = (
     "quick",
     "models",
@@ -133,6 +133,14 @@ def add_arguments(
         metavar="PYTHON",
         help="also serve mlx-trio HTTP with this interpreter (another install, say an earlier "
         f"commit's venv) as the system {BASELINE}, with its ratios",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="an MLX model directory every system serves instead of the embedded default model "
+        "(the GPU run's 1B shape: python -m bench.memory --build-only --model-dir DIR)",
     )
     parser.add_argument(
         "--cancel-probe",
@@ -241,6 +249,8 @@ def _check(args: argparse.Namespace) -> None:
         _refuse("--max-tokens must be at least 1")
     if args.rounds is not None and args.rounds < 1:
         _refuse("--rounds must be at least 1")
+    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
+        _refuse(f"--model-dir {args.model_dir}: no config.json there (not an MLX model)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -286,7 +296,7 @@ def _run_suite(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         s.with_max_tokens(args.max_tokens) for s in args.scenarios or [SCENARIOS[DEFAULT_SCENARIO]]
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
-    needs_f32 = any(SYSTEMS[k].system == "mlx_lm" for k in keys)
+    needs_f32 = args.model_dir is None and any(SYSTEMS[k].system == "mlx_lm" for k in keys)
     f32_dir = ensure_f32_model() if needs_f32 else None
     suite = partial(
         run_suite,
@@ -298,6 +308,7 @@ def _run_suite(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         cancel_probe=args.cancel_probe is not False,
         rounds=args.rounds or 1,
         baseline=args.baseline,
+        model_dir=args.model_dir,
     )
     data = trio.run(suite)
     data["total_s"] = _process_age_s()

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .scenarios import Scenario
-from .systems import SYSTEMS, WARMUP_CLIENTS
+from .systems import SYSTEMS, WARMUP_BURSTS, WARMUP_CLIENTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ def plan(
     Every level and round gets prompts of its own, after the warm-up's, so that no prompt is
     sent twice to a server (whose prompt cache would serve it)."""
     runs = []
-    offset = WARMUP_CLIENTS
+    offset = WARMUP_CLIENTS * WARMUP_BURSTS
     for scenario in scenarios:
         for i, clients in enumerate(scenario.levels or levels):
             for r in range(rounds):
@@ -61,5 +61,9 @@ def scenario_settings(scenario: Scenario) -> dict:
         "levels": list(scenario.levels),
     }
     if scenario.late is not None:
-        out["late"] = {**scenario_settings(scenario.late), "clients": scenario.late_clients}
+        out["late"] = {
+            **scenario_settings(scenario.late),
+            "clients": scenario.late_clients,
+            "share": scenario.late_share,
+        }
     return out

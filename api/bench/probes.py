@@ -107,12 +107,12 @@ class TokenIdPort:
         text = prompt if isinstance(prompt, str) else prompt[-1].content
         return PreparedRequest(prompt_ids(text, self._prompt_tokens), params)
 
-    async def batch_step(self, steps: int = 1) -> Any:
+    async def batch_step(self, steps: int = 1, ahead: int = 0) -> Any:
         start = time.perf_counter()
         if self._last_end is not None:
             self._gaps.append(start - self._last_end)
         before = self._inner.batch_steps_run
-        events = await self._inner.batch_step(steps)
+        events = await self._inner.batch_step(steps, ahead)
         self._last_end = time.perf_counter()
         self._calls.append((self._inner.batch_steps_run - before, self._last_end - start))
         return events

@@ -42,6 +42,8 @@ class SystemRecord:
     kind: str
     startup_s: float | None
     error: str | None
+    # A server's warm-up bursts' TTFT p99 in order, the first sent once /health turned 200.
+    bursts_ttft_p99_s: tuple[float | None, ...] = ()
 
 
 def machine() -> dict[str, Any]:
@@ -100,14 +102,15 @@ def to_json(
                 "kind": system.kind,
                 "startup_s": system.startup_s,
                 "error": system.error,
+                "bursts_ttft_p99_s": list(system.bursts_ttft_p99_s),
                 "levels": sorted(levels, key=lambda lv: (lv["clients"], lv["round"])),
             }
         )
     data: dict[str, Any] = {
         "machine": machine(),
         "settings": {
-            **settings,
             "model": "SmolLM2-135M-Instruct (embedded default), float32 on CPU, OpenBLAS",
+            **settings,
             "stream_generate": "1 stream only: mlx-lm's stream_generate serves one at a time",
             "peak_rss": "VmHWM of the system's process, reset before each run (clear_refs)",
         },

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -36,13 +36,14 @@ from .results import Measurement, SystemRecord, to_json
 from .scenarios import Scenario
 from .server_process import free_loopback_port, open_server, stop_process
 from .stream import RequestResult
-from .summary import pct
+from .summary import ms, pct
 from .systems import (
     BASELINE,
     MAX_BATCH,
     PREFILL_BATCH,
     PREFILL_CHUNK,
     SYSTEMS,
+    WARMUP_BURSTS,
     WARMUP_CLIENTS,
     WARMUP_MAX_TOKENS,
     server_spec,
@@ -114,12 +115,16 @@ class Worker:
 
 
 @asynccontextmanager
-async def open_worker(system: str, log_path: Path) -> AsyncIterator[Worker]:
+async def open_worker(
+    system: str, log_path: Path, model_dir: Path | None = None
+) -> AsyncIterator[Worker]:
     """Start a worker for ``system`` and wait for its ready line (model loaded, warmed up).
 
     On any exit the worker's stdin is closed and the process stopped (``stop_process``).
     """
     argv = [sys.executable, "-m", f"{__package__}.worker", system]
+    if model_dir is not None:
+        argv += ["--model", str(model_dir.resolve())]
     with log_path.open("wb") as log:
         process = await trio.lowlevel.open_process(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log
@@ -150,9 +155,18 @@ class Target:
     model: str | None = None
     startup_s: float | None = None
     error: str | None = None
+    # A server's warm-up bursts in order, the first sent once /health turned 200.
+    bursts_ttft_p99_s: list[float | None] = field(default_factory=list)
 
     def record(self) -> SystemRecord:
-        return SystemRecord(self.key, self.label, self.kind, self.startup_s, self.error)
+        return SystemRecord(
+            self.key,
+            self.label,
+            self.kind,
+            self.startup_s,
+            self.error,
+            tuple(self.bursts_ttft_p99_s),
+        )
 
     async def run(self, scenario: Scenario, clients: int, prompt_offset: int) -> LoadResult:
         streams = scenario.streams(clients, prompt_offset)
@@ -182,14 +196,16 @@ async def start_target(
     f32_dir: Path | None,
     log_dir: Path,
     baseline: Path | None = None,
+    model_dir: Path | None = None,
 ) -> Target:
     """Start ``key``'s process inside ``stack`` (stopped when it closes), warmed up; the
-    baseline's server with the interpreter ``baseline``."""
+    baseline's server with the interpreter ``baseline``; every system with ``model_dir``'s
+    model if given. A server's warm-up bursts' TTFT p99 are kept (``Target.bursts_ttft_p99_s``)."""
     d = SYSTEMS[key]
     started = time.perf_counter()
     log_path = log_dir / f"bench-{key}.log"
     if d.kind == "in-process":
-        worker = await stack.enter_async_context(open_worker(d.system, log_path))
+        worker = await stack.enter_async_context(open_worker(d.system, log_path, model_dir))
         startup_s = time.perf_counter() - started
         return Target(key, d.label, d.kind, worker.pid, worker=worker, startup_s=startup_s)
     port = free_loopback_port()
@@ -198,15 +214,33 @@ async def start_target(
         if baseline is None:
             raise RuntimeError("no interpreter given for the baseline (--baseline PYTHON)")
         python = str(baseline)
-    spec = server_spec(d.system, port, f32_dir, listen_backlog=d.listen_backlog, python=python)
+    spec = server_spec(
+        d.system,
+        port,
+        f32_dir,
+        model_dir=model_dir,
+        listen_backlog=d.listen_backlog,
+        python=python,
+    )
     server = await stack.enter_async_context(open_server(key, spec.argv, port, log_path))
     target = Target(key, d.label, d.kind, server.pid, url=server.url, model=spec.model)
-    # The same warm-up as the workers': prompts 0..3, a few tokens each.
-    await run_load(
-        server.url, clients=WARMUP_CLIENTS, max_tokens=WARMUP_MAX_TOKENS, model=spec.model
-    )
+    # The same warm-up as the workers', the first burst as soon as /health turned 200.
+    for burst in range(WARMUP_BURSTS):
+        result = await run_load(
+            server.url,
+            clients=WARMUP_CLIENTS,
+            max_tokens=WARMUP_MAX_TOKENS,
+            model=spec.model,
+            prompt_offset=burst * WARMUP_CLIENTS,
+        )
+        target.bursts_ttft_p99_s.append(result.ttft_p99_s)
     target.startup_s = time.perf_counter() - started
-    logger.info("%s ready and warmed up after %.1f s", key, target.startup_s)
+    logger.info(
+        "%s ready and warmed up after %.1f s (warm-up bursts' TTFT p99: %s ms)",
+        key,
+        target.startup_s,
+        " then ".join(ms(s) for s in target.bursts_ttft_p99_s),
+    )
     return target
 
 
@@ -241,6 +275,7 @@ async def run_suite(
     cancel_probe: bool = True,
     rounds: int = 1,
     baseline: Path | None = None,
+    model_dir: Path | None = None,
 ) -> dict:
     """Start every system in ``keys``, run the plan (``rounds`` of each level), probe
     cancellation; a JSON-ready dict.
@@ -258,7 +293,7 @@ async def run_suite(
         for key in keys:
             logger.info("starting %s", key)
             try:
-                targets[key] = await start_target(stack, key, f32_dir, log_dir, baseline)
+                targets[key] = await start_target(stack, key, f32_dir, log_dir, baseline, model_dir)
             except (RuntimeError, OSError, httpx.HTTPError, trio.TooSlowError) as exc:
                 d = SYSTEMS[key]
                 log = log_dir / f"bench-{key}.log"
@@ -305,7 +340,9 @@ async def run_suite(
             "max_batch": MAX_BATCH,
             "prefill_batch": PREFILL_BATCH,
             "prefill_chunk": PREFILL_CHUNK,
-            "warmup": f"{WARMUP_CLIENTS} streams x {WARMUP_MAX_TOKENS} tokens per system",
+            "warmup": f"{WARMUP_BURSTS} bursts of {WARMUP_CLIENTS} streams x "
+            f"{WARMUP_MAX_TOKENS} tokens per system",
+            **({} if model_dir is None else {"model": f"{model_dir.name} ({model_dir})"}),
         },
     )
 

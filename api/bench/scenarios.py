@@ -46,7 +46,10 @@ UNIQUE_SENTENCES = (
 
 
 LONG_CONTEXT_SENTENCES = 70  # about 1,000 tokens with the chat template (tests/test_bench.py)
-MIXED_LATE = 4  # long prompts arriving in the mixed scenario, whatever the level
+# Long prompts arriving in the mixed scenario: one for every 4 streams, at least 4 (8 streams
+# on CPU: 4, as design/017 measured; 64 on a GPU: 16, as issue 23 asks).
+MIXED_LATE = 4
+MIXED_LATE_SHARE = 4
 
 
 def prompt(index: int) -> str:
@@ -85,8 +88,9 @@ class Scenario:
     ``context_sentences``: how many background sentences go before the question (0: the plain
     chat prompt), so a scenario can be prefill-heavy without a new prompt list; ``unique``:
     those sentences differ from prompt to prompt from the first word (``unique_context``).
-    ``late``: the scenario whose prompts ``late_clients`` more clients send once every stream
-    of this one has its first token (see the module docstring). ``levels``: the levels to run
+    ``late``: the scenario whose prompts more clients send once every stream of this one has
+    its first token (see the module docstring): one for every ``late_share`` streams, at least
+    ``late_clients``. ``levels``: the levels to run
     it at (none: the run's, ``--concurrency``).
     """
 
@@ -97,6 +101,7 @@ class Scenario:
     unique: bool = False
     late: Scenario | None = None
     late_clients: int = 0
+    late_share: int = 0
     levels: tuple[int, ...] = ()
 
     def prompt(self, index: int) -> str:
@@ -107,7 +112,14 @@ class Scenario:
 
     def num_streams(self, clients: int) -> int:
         """Streams at a level of ``clients``: those clients, and the late ones."""
-        return clients + (self.late_clients if self.late is not None else 0)
+        return clients + self.num_late(clients)
+
+    def num_late(self, clients: int) -> int:
+        """The late streams at a level of ``clients``."""
+        if self.late is None:
+            return 0
+        share = clients // self.late_share if self.late_share > 0 else 0
+        return max(self.late_clients, share)
 
     def streams(self, clients: int, offset: int) -> list[Stream]:
         """A level's streams: ``clients`` of this scenario's prompts from ``offset`` on, then
@@ -118,7 +130,7 @@ class Scenario:
         late = self.late
         return first + [
             Stream(late.prompt(offset + clients + i), late.max_tokens, late=True)
-            for i in range(self.late_clients)
+            for i in range(self.num_late(clients))
         ]
 
     def with_max_tokens(self, max_tokens: int | None) -> Scenario:
@@ -145,12 +157,21 @@ SCENARIOS = {
         Scenario("long-prompt", 16, 40, "about 600 prompt tokens, 16 new: prefill-heavy"),
         LONG_CONTEXT,
         Scenario(
+            "long-context-2k",
+            64,
+            2 * LONG_CONTEXT_SENTENCES,
+            "a unique prompt of about 2,000 tokens a stream, 64 new (issue 23's GPU load)",
+            unique=True,
+        ),
+        Scenario(
             "mixed",
             128,
-            description=f"chat prompts streaming 128 tokens; once all stream, {MIXED_LATE} "
-            "long-context prompts arrive (64 new each)",
+            description="chat prompts streaming 128 tokens; once all stream, long-context "
+            f"prompts arrive (64 new each), one for every {MIXED_LATE_SHARE} streams, at least "
+            f"{MIXED_LATE}",
             late=LONG_CONTEXT,
             late_clients=MIXED_LATE,
+            late_share=MIXED_LATE_SHARE,
         ),
     )
 }

@@ -33,8 +33,12 @@ PREFILL_BATCH = 8
 PREFILL_CHUNK = 256
 CONVERT_TIMEOUT_S = 600.0
 MLX_LM_BACKLOG = 128
-# Every system is warmed up the same way once started: prompts 0..3, a few tokens each.
-WARMUP_CLIENTS = 4
+# Every system is warmed up the same way once started: two bursts of 8 streams (prompts 0..7,
+# then 8..15), a few tokens each. A server's first burst comes as soon as /health turns 200;
+# its TTFT against the next burst's says whether the server's own warm-up left kernels to
+# compile for the first users (issue 23: within 2x).
+WARMUP_CLIENTS = 8
+WARMUP_BURSTS = 2
 WARMUP_MAX_TOKENS = 8
 
 
@@ -129,20 +133,26 @@ def server_spec(
     port: int,
     f32_dir: Path | None,
     *,
+    model_dir: Path | None = None,
     listen_backlog: int | None = None,
     python: str = sys.executable,
 ) -> ServerSpec:
     """The command line for ``system`` listening on 127.0.0.1:``port``.
 
-    ``listen_backlog`` (mlx_lm only): the listening socket's backlog instead of Python
-    ``socketserver``'s 5, past which a burst of new connections is reset. ``python`` (mlx-trio
-    only): the interpreter whose install serves.
+    ``model_dir``: the MLX model directory both servers serve instead of the default model
+    (mlx_lm.server's float32 copy of it, ``f32_dir``). ``listen_backlog`` (mlx_lm only): the
+    listening socket's backlog instead of Python ``socketserver``'s 5, past which a burst of
+    new connections is reset. ``python`` (mlx-trio only): the interpreter whose install
+    serves.
     """
     host = ("--host", "127.0.0.1", "--port", str(port))
     if system == "mlx-trio":
-        argv = (python, "-m", "mlx_trio.api.cli", "serve", *host)
-        return ServerSpec(system, (*argv, "--max-batch", str(MAX_BATCH)), model=None)
+        argv = (python, "-m", "mlx_trio.api.cli", "serve", *host, "--max-batch", str(MAX_BATCH))
+        if model_dir is not None:
+            argv += ("--model", str(model_dir.resolve()))
+        return ServerSpec(system, argv, model=None)
     if system == "mlx_lm":
+        f32_dir = model_dir or f32_dir
         if f32_dir is None:
             raise ValueError("mlx_lm.server needs the float32 model (ensure_f32_model)")
         # Importing mlx_trio.engine._blas first loads OpenBLAS before MLX, as mlx-trio does for

@@ -55,7 +55,7 @@ from .load import FirstTokens
 from .raw_systems import Handler, params, raw_handler, stream_result, streams_of
 from .scenarios import DEFAULT_SCENARIO, SCENARIOS, Stream, prompt
 from .stream import StreamProgress
-from .systems import MAX_BATCH, WARMUP_CLIENTS, WARMUP_MAX_TOKENS
+from .systems import MAX_BATCH, WARMUP_BURSTS, WARMUP_CLIENTS, WARMUP_MAX_TOKENS
 
 SYSTEMS = ("stream_generate", "batch_generator", "mlx-trio")
 PROBE_MAX_TOKENS = 256
@@ -78,9 +78,9 @@ class WatchedEngine(ThreadedEngine):
         self.removals: list[tuple[int, int]] = []
         self.step_s: list[float] = []
 
-    async def batch_step(self, steps: int = 1):  # type: ignore[override]
+    async def batch_step(self, steps: int = 1, ahead: int = 0):  # type: ignore[override]
         started = time.perf_counter()
-        events = await super().batch_step(steps)
+        events = await super().batch_step(steps, ahead)
         self.step_s.append(time.perf_counter() - started)
         return events
 
@@ -231,7 +231,7 @@ async def serve_commands(handle: Handler, answers: TextIO) -> None:
         answers.flush()
 
 
-async def main_async(system: str, answers: TextIO) -> None:
+async def main_async(system: str, answers: TextIO, model: str | None = None) -> None:
     started = time.perf_counter()
 
     def ready(engine: Engine) -> None:
@@ -242,25 +242,28 @@ async def main_async(system: str, answers: TextIO) -> None:
         answers.flush()
 
     streams = SCENARIOS[DEFAULT_SCENARIO].with_max_tokens(WARMUP_MAX_TOKENS).streams
-    warmup = {"op": "run", "streams": [s.to_json() for s in streams(WARMUP_CLIENTS, 0)]}
+    bursts = [streams(WARMUP_CLIENTS, b * WARMUP_CLIENTS) for b in range(WARMUP_BURSTS)]
+    warmups = [{"op": "run", "streams": [s.to_json() for s in burst]} for burst in bursts]
     if system != "mlx-trio":
-        engine = Engine.load(None)
+        engine = Engine.load(model)
         own = _blas.own_threads()
         if own is not None and "OPENBLAS_NUM_THREADS" not in os.environ:
             _blas.set_threads(own)  # mlx-lm's count with OpenBLAS loaded, as mlx_lm.server's
         handle = raw_handler(system, engine)
-        await handle(warmup)
+        for warmup in warmups:
+            await handle(warmup)
         ready(engine)
         await serve_commands(handle, answers)
         return
     with EngineThread() as thread:
         port = await WatchedEngine.load(
-            thread, None, device="auto", max_batch=MAX_BATCH, prompt_cache_bytes=0
+            thread, model, device="auto", max_batch=MAX_BATCH, prompt_cache_bytes=0
         )
         config = RuntimeConfig(max_batch=MAX_BATCH, max_live=2 * MAX_BATCH)
         async with open_runtime(engine=port, config=config) as rt:
             handle = runtime_handler(rt, port)
-            await handle(warmup)
+            for warmup in warmups:
+                await handle(warmup)
             ready(port.engine)
             await serve_commands(handle, answers)
 
@@ -268,10 +271,13 @@ async def main_async(system: str, answers: TextIO) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("system", choices=SYSTEMS)
+    parser.add_argument(
+        "--model", default=None, help="a model directory (default: the embedded one)"
+    )
     args = parser.parse_args()
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints go to stderr; stdout carries only answers
-    trio.run(main_async, args.system, answers)
+    trio.run(main_async, args.system, answers, args.model)
 
 
 if __name__ == "__main__":
