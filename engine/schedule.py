@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 # A chunk smaller than this costs a step's fixed overhead for too few tokens.
 MIN_CHUNK = 16
+# A shared chunk is rounded down to a multiple of max_chunk / CHUNK_GRANULES, so that steps
+# beside a changing number of decoding rows repeat a few shapes (8,164 tokens left for 16 rows
+# are chunks of 448, not 510, 509, 508 ...): MLX builds kernels per shape on a GPU.
+CHUNK_GRANULES = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +58,15 @@ class TokenBudget:
 
     def chunk(self, decoding: int, preparing: int) -> int:
         """Prompt tokens for each of ``preparing`` rows in the next iteration, beside
-        ``decoding`` rows that take one token each: the iteration budget's rest, shared evenly,
-        at least ``MIN_CHUNK`` and at most ``max_chunk``. With no row decoding there is no
+        ``decoding`` rows that take one token each: the iteration budget's rest, shared evenly
+        and rounded down to a granule (``CHUNK_GRANULES``), at least ``MIN_CHUNK`` and at most
+        ``max_chunk``. With no row decoding there is no
         rhythm to keep: every row takes ``max_chunk`` (the preparation budget bounds them)."""
         if preparing <= 0 or decoding == 0:
             return self.max_chunk
         share = (self.max_iteration_tokens - decoding) // preparing
-        return max(MIN_CHUNK, min(self.max_chunk, share))
+        granule = max(1, self.max_chunk // CHUNK_GRANULES)
+        return max(MIN_CHUNK, min(self.max_chunk, share - share % granule))
 
 
 # Chosen by measurement (design/017): on 2 CPU cores, 8 prompts of ~1,000 tokens reached their

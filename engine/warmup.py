@@ -8,10 +8,13 @@ uses, on the calling thread (the engine thread): one short single-request genera
 :meth:`Engine.generate`, greedy :class:`BatchEngine` batches of 1, 2, 4, ..., ``max_batch`` rows,
 where every row is decoding at once at the top (rows enter eight at a time, so this also runs the
 multiples of eight on the way up and down), one sampled batch, single-row prompts that select
-each quantized-matmul tile, and one full prefill chunk of ``prefill_chunk`` tokens for a prefill
-group. Compiled kernels are kept for the process and on disk (``MLX_PTX_CACHE_DIR``, by default
-``$TMPDIR/mlx/<version>/ptx``): with that cache warm, a restart's warm-up took 9 s instead of
-55 s (bfloat16) and 18 s instead of 97 s (4-bit) for a Llama-3.2-1B shape (design/008-gpu.md).
+each quantized-matmul tile, one full prefill chunk of ``prefill_chunk`` tokens for a prefill
+group, and a group of chat-sized prompts; a group's prompts are of unequal lengths, as a real
+burst's are (padded, their attention takes a mask: a first burst after startup waited 5.9 s on
+an H200 while those kernels compiled, design/017). Compiled kernels are kept for the process
+and on disk (``MLX_PTX_CACHE_DIR``, by default ``$TMPDIR/mlx/<version>/ptx``): with that
+cache warm, a restart's warm-up took 9 s instead of 55 s (bfloat16) and 18 s instead of 97 s
+(4-bit) for a Llama-3.2-1B shape (design/008-gpu.md).
 
 On CPU nothing is compiled per shape (a fresh process's first 2-token generation of the default
 model took 0.61 s, the next ones 0.50 s and 0.80 s), so there it returns at once.
@@ -39,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 PREFILL_GROUP = 8  # rows BatchEngine prefills together (its ``prefill_batch``)
 SHORT_PROMPT = 8
+# A burst of chat prompts: a prefill group of rows of about this many tokens, of unequal lengths.
+CHAT_PROMPT = 64
 # MLX 0.32's CUDA quantized matmul (qmm_sm80) compiles one kernel per row tile, picked from
 # the tokens per row in a step: min(64, max(16, next power of two)). About 38 s each on an H200.
 QMM_TILES = (16, 32, 64)
@@ -101,6 +106,7 @@ def plan(
     for length in sorted({QMM_TILES[0] + 1, QMM_TILES[1] + 1, prefill_chunk + 1}):
         runs.append(("prefill", 1, length, 2))
     runs.append(("prefill", min(PREFILL_GROUP, max_batch), prefill_chunk + 1, 2))
+    runs.append(("prefill", min(PREFILL_GROUP, max_batch), CHAT_PROMPT, 2))
     if budget is not None:
         burst = max(1, min(max_batch, budget.max_preparation_tokens // budget.max_chunk))
         runs.append(("prefill", burst, budget.max_chunk + 1, 2))
@@ -176,12 +182,15 @@ def _batch(
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens)
     start = time.perf_counter()
     for row in range(rows):
-        prompt = _prompt(engine, prompt_tokens, row + 1)
+        # Rows prefilled together get unequal lengths, as a real burst's prompts have: mlx-lm
+        # pads them on the left, and a padded batch's attention takes a mask of its own.
+        length = prompt_tokens - (row % 3 if lane == "prefill" and rows > 1 else 0)
+        prompt = _prompt(engine, length, row + 1)
         batch.add(PreparedRequest(prompt_tokens=prompt, params=params))
-    # Each step decodes every generating row once and prefills one chunk of one group (with a
-    # budget, chunks may be as small as MIN_CHUNK).
+    # Each step decodes every generating row once and prefills a chunk of some rows (with a
+    # budget, chunks may be as small as MIN_CHUNK, and a small one prepares a row at a time).
     chunks = math.ceil(prompt_tokens / min(prefill_chunk, MIN_CHUNK)) + 1
-    max_steps = 2 * math.ceil(rows / PREFILL_GROUP) * chunks + new_tokens + 8
+    max_steps = rows * chunks + new_tokens + 8
     for _ in range(max_steps):
         if batch.num_rows == 0:
             break

@@ -28,7 +28,8 @@ def test_an_iteration_reserves_a_token_per_decoding_row_and_shares_the_rest():
     budget = TokenBudget(max_preparation_tokens=4096, max_iteration_tokens=512, max_chunk=256)
     assert budget.chunk(decoding=0, preparing=1) == 256  # bounded by the largest chunk
     assert budget.chunk(decoding=0, preparing=8) == 256  # no rhythm to keep: whole chunks
-    assert budget.chunk(decoding=12, preparing=4) == 125
+    assert budget.chunk(decoding=12, preparing=4) == 120  # 125, to a multiple of 256 / 32
+    assert budget.chunk(decoding=13, preparing=4) == 120  # the same shape as rows come and go
     assert budget.chunk(decoding=500, preparing=2) == MIN_CHUNK  # prompts still move
 
 

@@ -18,7 +18,7 @@ GOAL_HTTP_RATIO = 1.3
 # scenario's first streams' inter-token gap p99 at most GOAL_GAP_RATIO times their p50; a
 # server's first burst after /health turns 200 within GOAL_FIRST_BURST_RATIO of the next one's
 # TTFT p99.
-GOAL_LOAD_LEVELS = (("long-context", 8, 1.0), ("chat", 32, 1.0), ("long-context-2k", 64, 0.8))
+GOAL_LOAD_LEVELS = (("long-context", 8, 1.0), ("chat", 32, 1.0), ("long-context-gpu", 64, 0.8))
 GOAL_LOAD_RATIO = 1.2
 GOAL_GAP_RATIO = 3.0
 GOAL_FIRST_BURST_RATIO = 2.0
