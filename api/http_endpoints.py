@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,6 +30,8 @@ from .http_responses import EventStream, complete
 from .http_state import AppState, HttpSettings
 from .inprocess import RuntimeHandle
 from .schemas import ChatCompletionRequest, CompletionRequest
+
+B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 
 MAX_ECHOED_MODEL = 64  # characters of an unknown model's name said back
 
@@ -53,11 +55,11 @@ class Api:
         return self.state.runtime
 
     async def chat(self, request: Request) -> Response:
-        body = parse(ChatCompletionRequest, await self._read(request))
+        body = checked(parse(ChatCompletionRequest, await self._read(request)))
         return await self._generate(request, "chat", body, 1, lambda: [body.chat()])
 
     async def completions(self, request: Request) -> Response:
-        body = parse(CompletionRequest, await self._read(request))
+        body = checked(parse(CompletionRequest, await self._read(request)))
         return await self._generate(request, "text", body, body.num_prompts, body.prompts)
 
     def _check_choices(self, num_prompts: int, n: int) -> None:
@@ -205,3 +207,12 @@ class Api:
         for handle in handles:
             handle.cancel_nowait("requested")
         return JSONResponse({"id": request_id, "object": "request.cancelled"})
+
+
+def checked(body: B) -> B:
+    """``body``, once its fields are ones this server implements (else a 400 naming one)."""
+    try:
+        body.check_fields()
+    except InvalidRequestError as exc:
+        raise refusal_error(exc) from None
+    return body

@@ -2,14 +2,18 @@
 
 Type errors are pydantic's, named by :func:`error_param` as OpenAI names them
 (``messages.[0].content``); range errors come from ``SamplingParams``, named by the field the
-client sent (``max_completion_tokens`` or ``max_tokens``). Unknown fields are ignored, as
-OpenAI-compatible servers do.
+client sent (``max_completion_tokens`` or ``max_tokens``). A field of OpenAI's that would change
+what is generated and that this server does not implement (tools, ``response_format`` other
+than text, ...) gets a 400 naming it: answering 200 with free text to a client that asked for
+JSON or a tool call is worse than a clear refusal. Fields OpenAI does not define are ignored, and
+logged once per name.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -18,8 +22,32 @@ from ..engine.params import MAX_SEED, SamplingParams
 from ..engine.prompt import ChatMessage
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 
+logger = logging.getLogger(__name__)
+
 Number = Annotated[float, Field(allow_inf_nan=False)]
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI's fields that change what is generated and that this server does not implement yet.
+UNSUPPORTED_CHAT_FIELDS = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "audio",
+        "prediction",
+        "web_search_options",
+        "reasoning_effort",
+        "verbosity",
+    }
+)
+UNSUPPORTED_COMPLETION_FIELDS = frozenset({"suffix", "best_of"})
+# OpenAI's fields that change nothing here (metadata, storage, routing): accepted, ignored.
+NO_EFFECT_FIELDS = frozenset(
+    {"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
+)
+_logged_unknown: set[str] = set()
+MAX_LOGGED_FIELDS = 1000  # names logged at most, so that no client can grow the set
 
 
 class _Body(BaseModel):
@@ -140,11 +168,71 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_Sampling):
+class _Request(_Sampling):
+    """A top-level body: its undeclared fields are kept (``model_extra``) to be checked."""
+
+    model_config = ConfigDict(extra="allow")
+    unsupported: ClassVar[frozenset[str]] = frozenset()
+
+    def check_fields(self) -> None:
+        """Raise ``InvalidRequestError`` naming the first OpenAI field sent that this server
+        does not implement; log, once per name, fields OpenAI does not define."""
+        for name, value in (self.model_extra or {}).items():
+            if name in self.unsupported:
+                if value is not None and not _is_default(name, value):
+                    raise InvalidRequestError(
+                        f"{name} is not supported by this server yet",
+                        param=name,
+                        code="unsupported",
+                    )
+            elif name not in NO_EFFECT_FIELDS and _first_time(name):
+                logger.info("ignoring the request field %r: OpenAI does not define it", name)
+
+
+def _first_time(name: str) -> bool:
+    """Whether ``name`` is an unknown field not seen (and logged) before."""
+    if name in _logged_unknown or len(_logged_unknown) >= MAX_LOGGED_FIELDS:
+        return False
+    _logged_unknown.add(name)
+    return True
+
+
+def _is_default(name: str, value: Any) -> bool:
+    """Values of an unsupported field that ask for nothing it would do."""
+    match name, value:
+        case ("tool_choice", "none") | ("parallel_tool_calls", _) | ("tools", []):
+            return True
+        case ("best_of", 1) | ("suffix", ""):
+            return True
+    return False
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatCompletionRequest(_Request):
+    unsupported = UNSUPPORTED_CHAT_FIELDS
     messages: list[Message]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    response_format: ResponseFormat | None = None
+    modalities: list[str] | None = None
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                f"response_format of type {self.response_format.type!r} is not supported by "
+                "this server yet (only 'text')",
+                param="response_format",
+                code="unsupported",
+            )
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise InvalidRequestError(
+                "modalities: this server generates text only", param="modalities"
+            )
 
     def chat(self) -> tuple[ChatMessage, ...]:
         if not self.messages:
@@ -171,9 +259,11 @@ class ChatCompletionRequest(_Sampling):
         )
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Request):
     """``prompt``: a string, a list of strings, or (OpenAI's other forms, parsed to be counted
     and refused) one list of token ids or a list of them."""
+
+    unsupported = UNSUPPORTED_COMPLETION_FIELDS
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = None

@@ -150,6 +150,11 @@ def test_sdk_stop_strings_and_chat_logprobs(server):
         (chat_body(temperature="hot"), 400, "temperature", None),
         (chat_body(content="x" * 5000, max_tokens=10), 400, "messages", "context_length_exceeded"),
         ({"model": MODEL, "prompt": "", "max_tokens": 2}, 400, "prompt", None),
+        # OpenAI's fields that this server does not implement yet: refused, not dropped.
+        (chat_body(tools=[{"type": "function"}]), 400, "tools", "unsupported"),
+        (chat_body(tool_choice="required"), 400, "tool_choice", "unsupported"),
+        (chat_body(response_format={"type": "json_object"}), 400, "response_format", "unsupported"),
+        ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of", "unsupported"),
     ],
 )
 def test_bad_requests_get_openai_errors_with_param(client, body, status, param, code):
@@ -164,6 +169,29 @@ def test_bad_requests_get_openai_errors_with_param(client, body, status, param, 
     assert error["code"] == code
     after = stats(client)
     assert after["rows_submitted"] == before["rows_submitted"]  # no engine work at all
+
+
+def test_structured_output_asked_through_the_sdk_is_refused_not_ignored(server):
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "where?"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        )
+    assert caught.value.body["param"] == "response_format"  # type: ignore[index]
+    # What asks for nothing those fields do, and fields OpenAI does not define, still pass.
+    reply = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        tool_choice="none",
+        user="someone",
+        extra_body={"not_an_openai_field": 1},
+    )
+    assert reply.choices[0].finish_reason == "length"
 
 
 def test_a_path_as_model_is_named_back_and_never_opened(client):
