@@ -128,6 +128,10 @@ class ScriptedEngine:
         return self._serial is not None
 
     async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        if params.grammar is not None:  # its tokens are scripted: no grammar could hold them
+            raise InvalidRequestError(
+                "the scripted engine does not constrain its output", param="grammar"
+            )
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("prompt must not be empty", param="prompt")

@@ -129,6 +129,9 @@ class Api:
                 self.state.metrics.refusals.labels(exc.code).inc()
             if kind == "text" and isinstance(exc, ContextLengthExceededError):
                 exc.param = "prompt"  # the engine names a chat's field, "messages"
+            if isinstance(exc, InvalidRequestError) and exc.param == "grammar":
+                # what the engine calls a chat's response_format
+                exc.param = "response_format"
             sent_as = getattr(body, "max_completion_tokens", None)
             if isinstance(exc, MemoryBudgetExceededError) and sent_as is not None:
                 exc.param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param

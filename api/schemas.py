@@ -11,6 +11,7 @@ logged once per name.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
@@ -18,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..engine.errors import InvalidRequestError
-from ..engine.params import MAX_SEED, SamplingParams
+from ..engine.params import MAX_SEED, Grammar, SamplingParams
 from ..engine.prompt import ChatMessage
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 
@@ -126,12 +127,15 @@ class _Sampling(_Body):
         seed_offset: int = 0,
         sent_as: Mapping[str, str] | None = None,
         defaults: SamplingDefaults = NO_DEFAULTS,
+        grammar: Grammar | None = None,
     ) -> SamplingParams:
         """The request's values; ``defaults`` (then OpenAI's) for the sampling fields omitted.
         ``sent_as``: the body's name for a ``SamplingParams`` field where it differs, so that
         an error names what the client sent."""
         try:
-            return self._sampling_params(max_tokens, logprobs, top_logprobs, seed_offset, defaults)
+            return self._sampling_params(
+                max_tokens, logprobs, top_logprobs, seed_offset, defaults, grammar
+            )
         except InvalidRequestError as exc:
             name = (sent_as or {}).get(exc.param or "")
             if name is None or exc.param is None:
@@ -146,8 +150,10 @@ class _Sampling(_Body):
         top_logprobs: int,
         seed_offset: int,
         defaults: SamplingDefaults,
+        grammar: Grammar | None = None,
     ) -> SamplingParams:
         return defaults.params(
+            grammar=grammar,
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -207,8 +213,31 @@ def _is_default(name: str, value: Any) -> bool:
     return False
 
 
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(_Body):
-    type: str
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (always held
+    to strictly here, whatever ``strict`` says)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        match self.type:
+            case "json_object":
+                return Grammar("json_object")
+            case "json_schema":
+                if self.json_schema is None or self.json_schema.schema_ is None:
+                    raise InvalidRequestError(
+                        "response_format of type json_schema needs json_schema.schema",
+                        param="response_format.json_schema",
+                    )
+                return Grammar("json_schema", json.dumps(self.json_schema.schema_))
+        return None
 
 
 class ChatCompletionRequest(_Request):
@@ -222,13 +251,6 @@ class ChatCompletionRequest(_Request):
 
     def check_fields(self) -> None:
         super().check_fields()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError(
-                f"response_format of type {self.response_format.type!r} is not supported by "
-                "this server yet (only 'text')",
-                param="response_format",
-                code="unsupported",
-            )
         if self.modalities is not None and set(self.modalities) - {"text"}:
             raise InvalidRequestError(
                 "modalities: this server generates text only", param="modalities"
@@ -248,7 +270,9 @@ class ChatCompletionRequest(_Request):
     ) -> SamplingParams:
         limits = (self.max_completion_tokens, self.max_tokens, defaults.max_tokens)
         max_tokens = next((v for v in limits if v is not None), default_max_tokens)
-        sent_as = {"max_tokens": "max_completion_tokens"} if limits[0] is not None else {}
+        sent_as = {"grammar": "response_format"}
+        if limits[0] is not None:
+            sent_as["max_tokens"] = "max_completion_tokens"
         return self.sampling_params(
             max_tokens=max_tokens,
             logprobs=self.logprobs,
@@ -256,6 +280,7 @@ class ChatCompletionRequest(_Request):
             seed_offset=seed_offset,
             sent_as=sent_as,
             defaults=defaults,
+            grammar=None if self.response_format is None else self.response_format.grammar(),
         )
 
 

@@ -26,9 +26,11 @@ out whatever was sampled since the last, at once, and the engine never waits (de
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from .batch_rows import BatchRow, GeneratorRows, PromptStart, commit, guard_sampler
 from .generate import Engine
+from .grammar import rewind
 from .outputs import RowEvent, RowFailed, RowProgress
 from .params import PreparedRequest, SamplingParams
 from .sampling import Sampler, make_row_sampler, with_injected_fault
@@ -194,7 +196,7 @@ class BatchEngine:
         assert self.can_park(row_id), "only a generating row can be parked"
         solo = row_id == self._solo.row_id
         row = self._rows[row_id]
-        row.parked = self._solo.drop() if solo else self._batch.take_out(row)
+        row.parked = self._solo_drop(row) if solo else self._batch.take_out(row)
 
     def resume(self, row_id: int) -> None:
         """Put a parked row back into the batch; it continues where it stopped."""
@@ -224,8 +226,15 @@ class BatchEngine:
             start = self._solo.drop_unstarted()
             self._batch.insert_from(row, start)
             return
-        row.parked = self._solo.drop()
+        row.parked = self._solo_drop(row)
         self.resume(row_id)
+
+    def _solo_drop(self, row: BatchRow) -> tuple[list[Any], list[int]]:
+        """The solo row's caches and tokens, parked-style; its grammar forgets the token fed
+        in ``generate_step``'s step ahead (``grammar.rewind``)."""
+        parked = self._solo.drop()
+        rewind(row.processors)
+        return parked
 
     def _solo_step(self, row: BatchRow) -> None:
         token, logprobs, prefilled = self._solo.step()

@@ -23,6 +23,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .generate import Engine
+from .grammar import rewind
 from .outputs import RowOutput, RowProgress
 from .params import PreparedRequest
 from .prompt_cache import PromptCache
@@ -69,7 +70,7 @@ class BatchRow:
             id=row_id,
             decoder=decoder,
             sampler=sampler,
-            processors=make_row_processors(params),
+            processors=make_row_processors(params, tokenizer),
             stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
             wants_logprobs=params.logprobs,
             num_prompt_tokens=len(request.prompt_tokens),
@@ -232,6 +233,7 @@ class GeneratorRows:
         caches, tokens = self._generator.extract_cache([row.uid])[row.uid]
         for cache in caches:
             cache.trim(1)
+        rewind(row.processors)
         self._generator.remove([row.uid])
         del self._row_of_uid[row.uid]
         row.uid = None

@@ -22,6 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .budget import MemoryLimit
 from .errors import InvalidRequestError
+from .grammar import check_grammar
 from .loader import LoadedModel, load_model
 from .memory import ModelMemory, measure_model
 from .outputs import Delta, GenerationStats
@@ -77,7 +78,9 @@ class Generation:
             self._engine.model,
             max_tokens=params.max_tokens,
             sampler=with_injected_fault(make_row_sampler(params), self._request) or greedy_sampler,
-            logits_processors=with_history(make_row_processors(params), prompt[:skip]),
+            logits_processors=with_history(
+                make_row_processors(params, self._engine.tokenizer), prompt[:skip]
+            ),
             prompt_cache=kv,
             prefill_step_size=self._engine.prefill_step_size,
             prompt_progress_callback=self._on_progress,
@@ -141,6 +144,8 @@ class RequestPreparer:
                         f"{param} token id {token} is outside the vocabulary (size {size})",
                         param=param,
                     )
+        if params.grammar is not None:
+            check_grammar(params.grammar, self.tokenizer)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -7,11 +7,12 @@ raises :class:`InvalidRequestError` naming the offending ``param``.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from .errors import InvalidRequestError
 
@@ -22,6 +23,34 @@ MAX_SEED = 2**63 - 1
 # Temperatures below this decode greedily, as vLLM's do: dividing log-probabilities by a
 # smaller one overflows float32 and the draw picks from NaNs.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """What a row's output must match (``engine/grammar.py``): ``json_schema`` (``spec``: the
+    schema as JSON text), ``json_object`` (any JSON object), ``regex`` or ``lark`` (``spec``:
+    the expression or grammar)."""
+
+    kind: GrammarKind
+    spec: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any]) -> Grammar:
+        """A JSON schema, given as its parsed value."""
+        return cls("json_schema", json.dumps(schema))
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequestError(
+                f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}",
+                param="grammar",
+            )
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(f"a {self.kind} grammar needs its text", param="grammar")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +78,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)

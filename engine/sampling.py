@@ -21,6 +21,7 @@ import math
 import secrets
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
@@ -28,6 +29,7 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, greedy_sampler, make_logits_processors
 
+from .grammar import grammar_processor
 from .params import PreparedRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -183,9 +185,10 @@ def _after(
     return processor(mx.concatenate([before, tokens.astype(before.dtype)]), logits)
 
 
-def make_row_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    """Logit bias and penalties for one request (empty when none is set)."""
-    return make_logits_processors(
+def make_row_processors(params: SamplingParams, tokenizer: Any = None) -> list[LogitsProcessor]:
+    """Logit bias and penalties for one request (empty when none is set), then its grammar's
+    mask (``engine/grammar.py``; it needs the model's ``tokenizer``)."""
+    processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
         repetition_context_size=PENALTY_CONTEXT_SIZE,
@@ -194,3 +197,8 @@ def make_row_processors(params: SamplingParams) -> list[LogitsProcessor]:
         frequency_penalty=params.frequency_penalty or None,
         frequency_context_size=PENALTY_CONTEXT_SIZE,
     )
+    if params.grammar is not None:
+        if tokenizer is None:
+            raise ValueError("a grammar needs the model's tokenizer")
+        processors.append(grammar_processor(params.grammar, tokenizer))
+    return processors

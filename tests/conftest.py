@@ -27,3 +27,17 @@ def client(server):
 
     with httpx.Client(base_url=server.url, timeout=30) as http:
         yield http
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["engine thread", "engine process"])
+def default_model_server(request: pytest.FixtureRequest):
+    """The real server on the embedded default model, healthy, over the engine thread and
+    the engine process in turn (one of each a module)."""
+    from mlx_trio.actors.config import RuntimeConfig
+    from mlx_trio.api.server import ServeOptions
+    from tests.server_thread import ServerThread
+
+    options = ServeOptions(engine_process=request.param, runtime=RuntimeConfig(max_batch=8))
+    with ServerThread(options) as running:
+        running.wait_healthy()
+        yield running

@@ -80,3 +80,8 @@ def scripted_server(runtime: RuntimeConfig, http: HttpSettings) -> ServerThread:
     """The real server over a fast scripted engine (2 ms a step), for the HTTP edge's tests."""
     options = ServeOptions(runtime=runtime, http=http)
     return ServerThread(options, engine=ScriptedEngine(Script(step_s=0.002)))
+
+
+def model_id(server: ServerThread) -> str:
+    """The model id a running server serves (its ``GET /v1/models``)."""
+    return httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]

@@ -532,12 +532,12 @@ def test_a_row_with_penalties_goes_solo_and_its_penalties_see_its_whole_history(
     short = SamplingParams(temperature=0, max_tokens=3)
     seen: list[int] = []  # how many tokens the penalized row's processors saw at each step
 
-    def processors(params: SamplingParams):
+    def processors(params: SamplingParams, tokenizer: object = None):
         def record(tokens: mx.array, logits: mx.array) -> mx.array:
             seen.append(tokens.size)
             return logits
 
-        made = make_row_processors(params)
+        made = make_row_processors(params, tokenizer)
         return [*made, record] if params is penalized else made
 
     monkeypatch.setattr("mlx_trio.engine.batch_rows.make_row_processors", processors)

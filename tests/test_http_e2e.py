@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
 import trio
 
-from mlx_trio.actors.config import RuntimeConfig
-from mlx_trio.api.server import ServeOptions
-from tests.server_thread import ServerThread
+from tests.server_thread import ServerThread, model_id
 
 pytestmark = pytest.mark.e2e
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["engine thread", "engine process"])
-def server(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
-    options = ServeOptions(engine_process=request.param, runtime=RuntimeConfig(max_batch=8))
-    with ServerThread(options) as running:
-        running.wait_healthy()
-        yield running
-
-
-def model_id(server: ServerThread) -> str:
-    return httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+@pytest.fixture(scope="module")
+def server(default_model_server: ServerThread) -> ServerThread:
+    return default_model_server
 
 
 def test_sync_sdk_greedy_chat_answers_paris(server):
