@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import lean_step
 from .generate import Engine
 from .grammar import rewind
 from .outputs import RowOutput, RowProgress
@@ -181,6 +182,13 @@ class GeneratorRows:
             prefill_step_size=budget.max_chunk,
         )
         self._row_of_uid: dict[int, BatchRow] = {}
+        # Log-probabilities only while a row wants them (engine/lean_step.py).
+        lean_step.install(self._generator, self._wants_logprobs)
+
+    def _wants_logprobs(self, uids: Iterable[int]) -> bool:
+        """Whether a row of ``uids`` wants log-probabilities (one not ours, to be safe)."""
+        rows = self._row_of_uid
+        return any((row := rows.get(uid)) is None or row.wants_logprobs for uid in uids)
 
     def __len__(self) -> int:
         return len(self._row_of_uid)

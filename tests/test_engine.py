@@ -667,3 +667,32 @@ def test_a_step_that_fails_ahead_of_a_call_raises_from_the_next_call(tiny_engine
     with pytest.raises(RuntimeError, match="the device went away"):
         batch.remove(rows[:1])
     batch.close()
+
+
+def test_log_probabilities_are_normalized_for_the_rows_that_ask_beside_rows_that_do_not(
+    tiny_engine,
+):
+    # The batch skips the normalization while no row asks for log-probabilities
+    # (engine/lean_step.py): a row that asks still gets them normalized, whoever joined first,
+    # and nobody's greedy tokens change.
+    free = SamplingParams(temperature=0, max_tokens=12)
+    asks = SamplingParams(temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    expected = {p: solo_tokens(tiny_engine, p, free) for p in PROMPTS[:2]}
+    expected[PROMPTS[2]] = solo_tokens(tiny_engine, PROMPTS[2], asks)
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    rows = {batch.add(tiny_engine.prepare(p, free)): p for p in PROMPTS[:2]}
+    got: dict[int, list[int]] = {}
+    for call in range(60):
+        if call == 3:  # it joins rows already decoding without log-probabilities
+            rows[batch.add(tiny_engine.prepare(PROMPTS[2], asks))] = PROMPTS[2]
+        if not batch.num_rows:
+            break
+        for event in batch.step(1):
+            if isinstance(event, RowOutput):
+                got.setdefault(event.row, []).extend(event.delta.token_ids)
+                if rows[event.row] == PROMPTS[2]:
+                    for entry in event.delta.logprobs:
+                        top = [math.exp(value) for _, value in entry.top]
+                        assert entry.logprob <= 0 and 0 < sum(top) <= 1 + 1e-4
+                        assert math.isclose(entry.logprob, entry.top[0][1], abs_tol=1e-5)
+    assert {rows[row]: tokens for row, tokens in got.items()} == expected
