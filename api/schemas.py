@@ -49,6 +49,7 @@ NO_EFFECT_FIELDS = frozenset(
 )
 _logged_unknown: set[str] = set()
 MAX_LOGGED_FIELDS = 1000  # names logged at most, so that no client can grow the set
+MAX_LOGGED_NAME = 64  # characters of a name logged (a client chooses it)
 
 
 class _Body(BaseModel):
@@ -192,7 +193,8 @@ class _Request(_Sampling):
                         code="unsupported",
                     )
             elif name not in NO_EFFECT_FIELDS and _first_time(name):
-                logger.info("ignoring the request field %r: OpenAI does not define it", name)
+                shown = name if len(name) <= MAX_LOGGED_NAME else name[:MAX_LOGGED_NAME] + "..."
+                logger.info("ignoring the request field %r: OpenAI does not define it", shown)
 
 
 def _first_time(name: str) -> bool:

@@ -3,8 +3,9 @@ regular expression or a Lark grammar), with llguidance.
 
 Why llguidance: it compiles a JSON schema or a grammar lazily (no up-front automaton over the
 vocabulary, so a request's schema costs milliseconds, not seconds), computes a token mask in
-0.1-1.5 ms for the default model's 49,152 tokens, reports unsupported schema keywords as errors
-(which become a 400 before admission), and reads the tokenizer straight from Hugging Face's.
+0.15 ms (median; under 2 ms) for the default model's 49,152 tokens, reports unsupported schema
+keywords as errors (which become a 400 before admission), and reads the tokenizer straight from
+Hugging Face's.
 Its MLX helper applies the mask with a Metal kernel only, so the mask is applied here with
 ``mx.where`` on any device.
 
@@ -12,7 +13,7 @@ A grammar travels in ``SamplingParams.grammar`` (a plain, picklable ``params.Gra
 engine turns it into one more logits processor for the row (:func:`grammar_processor`), applied
 after the others, so it works on both lanes and wherever the row is (mlx-lm's batch, solo, or
 resumed after parking). A processor is called once for each token the row generates, with the
-tokens so far: every call after the first first feeds the grammar the row's last token.
+tokens so far: each call after the first feeds the grammar the row's last token first.
 """
 
 from __future__ import annotations
