@@ -365,14 +365,24 @@ def test_a_short_chaos_run_on_the_default_model():
     )
     report = trio.run(run_on_model, plan, None)
     assert report.ok, report.table()
-    # Sampled requests ran beside the failing sampler: shared sampling state survived it.
+    # Sampled requests ran beside the failing sampler: shared sampling state survived it. (Not
+    # those whose client acts, a cancel or a close: whether that lands before the request ends
+    # is a race, and either outcome is right.)
     run = report.run
     sampled = [
         r
         for r in run.requests
-        if r.plan.sampled and r.refused is None and r.plan.number not in run.touched
+        if r.plan.sampled
+        and r.refused is None
+        and r.plan.number not in run.touched
+        and r.plan.client is None
     ]
-    assert sampled and all((r.outcome or "").startswith("completed:") for r in sampled)
+    unfinished = [
+        (r.plan.number, r.plan.client, r.outcome)
+        for r in sampled
+        if not (r.outcome or "").startswith("completed:")
+    ]
+    assert sampled and not unfinished, unfinished
 
 
 @pytest.mark.e2e
