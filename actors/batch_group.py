@@ -26,7 +26,6 @@ import logging
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import assert_never
 
 import trio
@@ -34,7 +33,6 @@ import trio
 from ..engine.budget import is_out_of_memory
 from ..engine.errors import EngineUnavailableError
 from ..engine.outputs import RowFailed, RowOutput, RowProgress
-from ..engine.params import PreparedRequest
 from .arbiter import (
     Acquire,
     ArbiterMessage,
@@ -43,9 +41,17 @@ from .arbiter import (
     Lease,
     ReleaseLease,
 )
+from .batch_messages import (
+    AddRow,
+    BacklogDelivered,
+    BatchMessage,
+    BatchStatistics,
+    Member,
+    ReaderGone,
+)
 from .batch_policy import BatchLimit, CallPacer, FaultRecord
 from .channels import offer
-from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox, is_final
+from .lanes import Abandoned, LaneEvent, LaneFailed, is_final
 from .port import EnginePort
 from .throughput import ThroughputMeter
 
@@ -55,59 +61,6 @@ logger = logging.getLogger(__name__)
 ARRIVAL_POLL_S = 0.0005
 # How often rows waiting to join look again whether a restarting engine is back.
 ENGINE_POLL_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class AddRow:
-    request: PreparedRequest
-    events: SessionInbox
-
-
-@dataclass(frozen=True, slots=True)
-class BacklogDelivered:
-    member: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReaderGone:
-    member: int
-
-
-BatchMessage = AddRow | Lease | DrainRequested | DrainCalledOff | BacklogDelivered | ReaderGone
-
-
-@dataclass(slots=True)
-class _Member:
-    """A session's row, as the group tracks it."""
-
-    events: SessionInbox
-    row: int
-    parked: bool = False
-    backlog: deque[LaneEvent] = field(default_factory=deque)
-    prefilled: int = 0  # prompt tokens done, as its last progress event said
-    decoding: bool = False  # it has had a token: its prompt is read
-
-    @property
-    def is_delivering(self) -> bool:
-        return bool(self.backlog)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchStatistics:
-    active_rows: int
-    parked_rows: int
-    pending_rows: int
-    rows_submitted: int
-    steps: int
-    faults: int
-    stuck_steps: int
-    consecutive_faults: int  # since the last step that did not fault, on the current engine
-    is_stuck: bool  # a step of the current engine passed the watchdog: the engine is wedged
-    parks: int
-    holds_lease: bool
-    draining: bool
-    batch_limit: int  # rows admitted at most now: max_batch, less after running out of memory
-    out_of_memory: int  # engine calls that failed to allocate memory
 
 
 class BatchGroup:
@@ -135,7 +88,7 @@ class BatchGroup:
         self.inbox, self._recv = trio.open_memory_channel[BatchMessage](inbox_size)
         self._arbiter = arbiter
         self._pending: deque[AddRow] = deque()
-        self._members: dict[int, _Member] = {}
+        self._members: dict[int, Member] = {}
         self._keys = itertools.count()
         self._lease: Lease | None = None
         self._asked = False
@@ -323,7 +276,7 @@ class BatchGroup:
                 logger.error("the engine could not add a row", exc_info=row)
                 offer(add.events, LaneFailed(f"engine error: {type(row).__name__}: {row}"))
                 continue
-            self._members[next(self._keys)] = _Member(add.events, row)
+            self._members[next(self._keys)] = Member(add.events, row)
             self._rows_submitted += 1
 
     async def _drop_departed(self) -> None:
@@ -422,14 +375,14 @@ class BatchGroup:
                 del self._members[key]
                 await self.engine.batch_remove([member.row])
 
-    def _deliver(self, key: int, member: _Member, event: LaneEvent) -> None:
+    def _deliver(self, key: int, member: Member, event: LaneEvent) -> None:
         """Queue ``event`` behind the member's backlog; start its delivery task if idle."""
         member.backlog.append(event)
         if len(member.backlog) == 1:
             assert self._nursery is not None
             self._nursery.start_soon(self._deliver_backlog, key, member)
 
-    async def _deliver_backlog(self, key: int, member: _Member) -> None:
+    async def _deliver_backlog(self, key: int, member: Member) -> None:
         try:
             while member.backlog:
                 await member.events.send(member.backlog[0])

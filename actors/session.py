@@ -21,7 +21,7 @@ from ..engine.outputs import Delta, GenerationStats, RowFailed, RowOutput, RowPr
 from ..engine.params import PreparedRequest
 from . import gate
 from .arbiter import ArbiterMessage, acquire
-from .batch_group import AddRow, BatchMessage
+from .batch_messages import AddRow, BatchMessage
 from .channels import take_buffered
 from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox
 from .messages import (

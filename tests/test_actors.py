@@ -23,7 +23,8 @@ from mlx_trio.actors.arbiter import (
     ReleaseLease,
     acquire,
 )
-from mlx_trio.actors.batch_group import AddRow, BatchGroup
+from mlx_trio.actors.batch_group import BatchGroup
+from mlx_trio.actors.batch_messages import AddRow
 from mlx_trio.actors.lanes import SessionInbox
 from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens
 from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
