@@ -63,11 +63,11 @@ def run_batch(
                 if event.stats is not None and kinds[event.row] is not None:
                     free_done = time.perf_counter()
     wall = time.perf_counter() - started
-    free_tokens = {kinds[r]: t for r, t in tokens.items() if kinds[r] is not None}
+    free_tokens = {i: t for r, t in tokens.items() if (i := kinds[r]) is not None}
     total = sum(len(t) for t in tokens.values())
     free_total = sum(len(t) for t in free_tokens.values())
     per_free_row = free_total / len(free_tokens) / (free_done - started)
-    return total / wall, per_free_row, free_tokens  # type: ignore[return-value]
+    return total / wall, per_free_row, free_tokens
 
 
 def main() -> None:
