@@ -20,6 +20,7 @@ from ..engine.budget import MemoryBudget, MemoryUsage
 from ..engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
 from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt
+from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
 from .port import EngineLiveness, EnginePort
 
@@ -119,6 +120,9 @@ class FaultyEngine:
 
     def token_text(self, token_id: int) -> str:
         return self.inner.token_text(token_id)
+
+    def reply_syntax(self) -> ReplySyntax:
+        return self.inner.reply_syntax()
 
     def liveness(self) -> EngineLiveness:
         return self.inner.liveness()

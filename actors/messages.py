@@ -12,7 +12,7 @@ from typing import Literal
 
 from ..engine.outputs import FinishReason, TokenLogprob
 from ..engine.params import SamplingParams
-from ..engine.prompt import ChatMessage
+from ..engine.prompt import Chat, ChatMessage
 
 CancelReason = Literal[
     "requested", "consumer_closed", "consumer_idle", "deadline", "shutdown", "engine_fault"
@@ -33,14 +33,15 @@ SessionState = Literal["created", "queued", "preparing", "running", "settling", 
 class GenerationRequest:
     """What to generate.
 
-    ``prompt`` is plain text (a completion) or chat messages (the chat template applies).
+    ``prompt`` is plain text (a completion), chat messages (the chat template applies) or a
+    ``Chat`` (messages with tools and chat template arguments).
     ``params`` None takes the model's sampling defaults (its ``generation_config.json``, then
     OpenAI's values; see ``mlx_trio.engine.sampling_defaults``). ``reproducible`` asks for the
     serial lane: the same output as a solo run, bit for bit.
     ``timeout_s`` is one deadline over queueing, prefill and decode.
     """
 
-    prompt: str | tuple[ChatMessage, ...]
+    prompt: str | tuple[ChatMessage, ...] | Chat
     params: SamplingParams | None = None
     reproducible: bool = False
     timeout_s: float | None = None

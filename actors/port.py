@@ -18,6 +18,7 @@ from ..engine.budget import MemoryBudget, MemoryUsage
 from ..engine.outputs import PromptCacheStatistics, RowEvent
 from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt
+from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
 
 
@@ -82,6 +83,10 @@ class EnginePort(Protocol):
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, for logprobs."""
+        ...
+
+    def reply_syntax(self) -> ReplySyntax:
+        """How the model's chat replies split into content, reasoning and tool calls."""
         ...
 
     def liveness(self) -> EngineLiveness:

@@ -28,7 +28,8 @@ from ..engine.outputs import (
     TokenLogprob,
 )
 from ..engine.params import PreparedRequest, SamplingParams
-from ..engine.prompt import Prompt, check_fits, check_messages
+from ..engine.prompt import Chat, Prompt, check_fits, check_messages
+from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from .port import ALWAYS_UP, EngineLiveness
 from .script import (
@@ -74,10 +75,14 @@ class ScriptedEngine:
         model_id: str = "scripted",
         sampling_defaults: SamplingDefaults = NO_DEFAULTS,
         memory_budget: MemoryBudget | None = None,
+        reply_syntax: ReplySyntax | None = None,
     ) -> None:
         """``memory_budget``: what the engine would answer as its budget (None: none); a
-        scripted row's KV is ``BYTES_PER_TOKEN`` a token (``scripted_budget`` makes one)."""
+        scripted row's KV is ``BYTES_PER_TOKEN`` a token (``scripted_budget`` makes one).
+        ``reply_syntax``: what it says of its replies (None: no thinking, no tool format), so
+        that tests can mark parts of a scripted reply as reasoning."""
         self.script = script or Script()
+        self._reply_syntax = reply_syntax or ReplySyntax()
         self._memory_budget = memory_budget
         self._model_id = model_id
         self._sampling_defaults = sampling_defaults
@@ -137,13 +142,17 @@ class ScriptedEngine:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
             text = prompt
         else:
-            text = "\n".join(m.content for m in check_messages(prompt))
+            messages = prompt.messages if isinstance(prompt, Chat) else prompt
+            text = "\n".join(m.content for m in check_messages(messages))
         tokens = tuple(ord(c) for c in text) or (1,)
         check_fits(len(tokens), params.max_tokens, self.script.context_length)
         return PreparedRequest(prompt_tokens=tokens, params=params)
 
     def token_text(self, token_id: int) -> str:
         return token_text(token_id)
+
+    def reply_syntax(self) -> ReplySyntax:
+        return self._reply_syntax
 
     def prompt_cache_statistics(self) -> None:
         return None

@@ -43,9 +43,11 @@ from ..engine.errors import (
     UnsupportedModelError,
 )
 from ..engine.outputs import FinishReason, TokenLogprob
-from ..engine.params import SamplingParams
-from ..engine.prompt import ChatMessage
+from ..engine.params import Grammar, SamplingParams
+from ..engine.prompt import Chat, ChatMessage
+from ..engine.reply import Called, Content, Reasoning, ReplySplitter, ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
+from ..engine.tools import Tool, ToolCall, ToolChoice, call_grammar
 from .inprocess import (
     Collected,
     RuntimeHandle,
@@ -55,11 +57,14 @@ from .inprocess import (
 )
 
 __all__ = [
+    "Called",
     "CancelReason",
     "Cancelled",
+    "Chat",
     "ChatMessage",
     "Collected",
     "Completed",
+    "Content",
     "ContextLengthExceededError",
     "EngineError",
     "EngineUnavailableError",
@@ -67,6 +72,7 @@ __all__ = [
     "Failed",
     "FinishReason",
     "GenerationRequest",
+    "Grammar",
     "InvalidRequestError",
     "MlxTrioError",
     "ModelError",
@@ -75,6 +81,9 @@ __all__ = [
     "Outcome",
     "OverloadedError",
     "Progress",
+    "Reasoning",
+    "ReplySplitter",
+    "ReplySyntax",
     "RuntimeClosedError",
     "RuntimeConfig",
     "RuntimeHandle",
@@ -86,8 +95,12 @@ __all__ = [
     "TextDelta",
     "Timings",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
     "UnsupportedModelError",
     "Usage",
+    "call_grammar",
     "freeze_startup_heap",
     "open_runtime",
 ]

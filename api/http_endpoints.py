@@ -20,7 +20,8 @@ from ..engine.errors import (
     MemoryBudgetExceededError,
     RuntimeRefusal,
 )
-from ..engine.prompt import ChatMessage
+from ..engine.prompt import Chat
+from ..engine.reply import ReplySplitter
 from ..engine.sampling_defaults import applied
 from . import openai_format as fmt
 from .http_errors import HttpError, refusal_error
@@ -28,7 +29,7 @@ from .http_exchange import Exchange
 from .http_input import parse, read_json
 from .http_responses import EventStream, complete
 from .http_state import AppState, HttpSettings
-from .inprocess import RuntimeHandle
+from .inprocess import RuntimeHandle, SessionHandle
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
@@ -89,7 +90,7 @@ class Api:
         kind: fmt.Kind,
         body: ChatCompletionRequest | CompletionRequest,
         num_prompts: int,
-        prompts: Callable[[], Sequence[str | tuple[ChatMessage, ...]]],
+        prompts: Callable[[], Sequence[str | Chat]],
     ) -> Response:
         """``prompts`` (``num_prompts`` of them, each to get ``n`` choices) raises
         ``InvalidRequestError`` for a bad prompt; it is called after the cheaper checks."""
@@ -130,14 +131,22 @@ class Api:
             if kind == "text" and isinstance(exc, ContextLengthExceededError):
                 exc.param = "prompt"  # the engine names a chat's field, "messages"
             if isinstance(exc, InvalidRequestError) and exc.param == "grammar":
-                # what the engine calls a chat's response_format
-                exc.param = "response_format"
+                # what the engine calls a chat's response_format, or its forced tool call
+                forced = isinstance(body, ChatCompletionRequest) and body.choice().forces_call
+                exc.param = "tools" if forced else "response_format"
             sent_as = getattr(body, "max_completion_tokens", None)
             if isinstance(exc, MemoryBudgetExceededError) and sent_as is not None:
                 exc.param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
             raise refusal_error(exc) from None
         exchange = Exchange(
-            request_id, kind, body.model, handles, rt.token_text, self.state.metrics, n=body.n
+            request_id,
+            kind,
+            body.model,
+            handles,
+            rt.token_text,
+            self.state.metrics,
+            n=body.n,
+            splitters=splitters(rt, body, handles),
         )
         headers = {"X-Request-Id": request_id}
         if body.stream:
@@ -210,6 +219,18 @@ class Api:
         for handle in handles:
             handle.cancel_nowait("requested")
         return JSONResponse({"id": request_id, "object": "request.cancelled"})
+
+
+def splitters(
+    rt: RuntimeHandle, body: ChatCompletionRequest | CompletionRequest, handles: list[SessionHandle]
+) -> list[ReplySplitter | None]:
+    """A reply splitter for each chat choice whose model thinks in blocks or that was offered
+    tools; None where the text is all content (completions, and most chats)."""
+    syntax = rt.reply_syntax()
+    if not isinstance(body, ChatCompletionRequest) or not (syntax.think or body.tools):
+        return [None] * len(handles)
+    tools, choice = body.offered_tools(), body.choice()
+    return [syntax.splitter(h.prompt_tokens, tools, choice) for h in handles]
 
 
 def checked(body: B) -> B:

@@ -21,6 +21,7 @@ from ..actors.messages import (
     describe,
 )
 from ..actors.outcomes import seconds
+from ..engine.reply import ReplySplitter
 from . import openai_format as fmt
 from .inprocess import SessionHandle
 from .metrics import Metrics
@@ -40,12 +41,20 @@ class Exchange:
     token_text: Callable[[int], str]
     metrics: Metrics
     n: int = 1  # choices to a prompt: handles[p * n : (p + 1) * n] share prompt p
+    # Each chat choice's reply splitter (content, reasoning, tool calls); None: text as it is.
+    splitters: list[ReplySplitter | None] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
     outcomes: list[Outcome | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.outcomes = [None] * len(self.handles)
+        self.splitters = self.splitters or [None] * len(self.handles)
+
+    def finish_reason(self, index: int, reason: str | None) -> str | None:
+        """OpenAI's ``tool_calls`` for a reply that ended by itself after making calls."""
+        splitter = self.splitters[index]
+        return "tool_calls" if reason == "stop" and splitter and splitter.calls else reason
 
     def usage(self, *, of: type | tuple[type, ...] = Completed) -> Usage:
         """The usage of the sessions whose outcome is an ``of``: each prompt's tokens once,

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..actors.messages import Completed, Event, Progress, TextDelta
 from ..engine.outputs import TokenLogprob
+from ..engine.reply import Called, Content, Piece, Reasoning
 from . import openai_format as fmt
 from .http_errors import first_failure, outcome_error
 from .http_exchange import Exchange
@@ -68,16 +69,23 @@ async def complete(request: Request, ex: Exchange, headers: dict[str, str]) -> R
         error = outcome_error(failure)
         ex.log(error.status)
         return JSONResponse(error.body, status_code=error.status, headers=headers)
-    choices = [
-        fmt.choice_body(
-            ex.kind,
-            i,
-            texts[i],
-            outcome.finish_reason if isinstance(outcome, Completed) else None,
-            fmt.logprobs_body(ex.kind, logprobs[i], ex.token_text),
+    choices = []
+    for i, outcome in enumerate(ex.outcomes):
+        splitter = ex.splitters[i]
+        reply = None
+        if splitter is not None:
+            reply = fmt.Reply.of(splitter.feed(texts[i]) + splitter.finish())
+        reason = outcome.finish_reason if isinstance(outcome, Completed) else None
+        choices.append(
+            fmt.choice_body(
+                ex.kind,
+                i,
+                texts[i],
+                ex.finish_reason(i, reason),
+                fmt.logprobs_body(ex.kind, logprobs[i], ex.token_text),
+                reply,
+            )
         )
-        for i, outcome in enumerate(ex.outcomes)
-    ]
     usage = ex.usage()
     ex.log(200)
     return JSONResponse(
@@ -109,6 +117,8 @@ class EventStream:
         self.live = live
         self.include_usage = include_usage
         self.headers = headers
+        # Logprobs of tokens whose text a reply splitter holds, by choice, until it is sent.
+        self._held_logprobs: dict[int, list[TokenLogprob]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = self.ex
@@ -203,15 +213,52 @@ class EventStream:
         event: Event,
     ) -> None:
         ex = self.ex
+        splitter = ex.splitters[index]
         match event:
             case TextDelta(text=text, logprobs=records):
-                logprobs = fmt.logprobs_body(
-                    ex.kind, list(records) if records is not None else None, ex.token_text
-                )
-                await write(chunk(index, text=text, logprobs=logprobs))
+                held = self._held_logprobs
+                if records is not None:
+                    held[index] = held.get(index, []) + list(records)
+                if splitter is None:
+                    await write(chunk(index, text=text, logprobs=self._logprobs(index)))
+                else:
+                    await self._write_pieces(write, chunk, index, splitter.feed(text))
             case Progress(done=done, total=total):
                 await write(f": prefill {done}/{total}\n\n".encode())
             case Completed(finish_reason=reason):
+                if splitter is not None:
+                    await self._write_pieces(write, chunk, index, splitter.finish())
                 await write(
-                    chunk(index, text=None if ex.kind == "chat" else "", finish_reason=reason)
+                    chunk(
+                        index,
+                        text=None if ex.kind == "chat" else "",
+                        finish_reason=ex.finish_reason(index, reason),
+                    )
                 )
+
+    def _logprobs(self, index: int) -> Any:
+        """The logprobs body of the tokens not yet sent with a chunk (None: none asked)."""
+        records = self._held_logprobs.pop(index, None)
+        return fmt.logprobs_body(self.ex.kind, records, self.ex.token_text)
+
+    async def _write_pieces(
+        self,
+        write: Callable[[dict[str, Any] | bytes], Any],
+        chunk: Callable[..., dict[str, Any]],
+        index: int,
+        pieces: list[Piece],
+    ) -> None:
+        """A chunk for each piece of a split reply; the logprobs held go with the first."""
+        splitter = self.ex.splitters[index]
+        assert splitter is not None
+        calls = len(splitter.calls) - sum(isinstance(p, Called) for p in pieces)
+        for piece in pieces:
+            match piece:
+                case Content(text=text):
+                    await write(chunk(index, text=text, logprobs=self._logprobs(index)))
+                case Reasoning(text=text):
+                    await write(chunk(index, reasoning=text, logprobs=self._logprobs(index)))
+                case Called(call=call):
+                    logprobs = self._logprobs(index)
+                    await write(chunk(index, tool_call=(calls, call), logprobs=logprobs))
+                    calls += 1

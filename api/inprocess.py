@@ -42,6 +42,7 @@ from ..actors.port import EnginePort
 from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
 from ..engine.budget import MemoryLimit, default_limit
+from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,11 @@ class SessionHandle:
     @property
     def state(self) -> str:
         return self._session.state
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        """The prompt as the model reads it (the chat template applied)."""
+        return self._session.request.prompt_tokens
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events.__aiter__()
@@ -134,6 +140,11 @@ class RuntimeHandle:
     def token_text(self, token_id: int) -> str:
         """One token id's text, as the model's tokenizer decodes it alone."""
         return self._runtime.engine.token_text(token_id)
+
+    def reply_syntax(self) -> ReplySyntax:
+        """How the model's chat replies split into content, reasoning and tool calls:
+        ``reply_syntax().splitter(handle.prompt_tokens, tools, choice)`` reads one."""
+        return self._runtime.engine.reply_syntax()
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Drain: admission closes, requests in flight get ``grace_s`` (the config's grace if

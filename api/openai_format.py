@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..actors.messages import Usage
 from ..engine.outputs import TokenLogprob
+from ..engine.reply import Called, Content, Piece, Reasoning
+from ..engine.tools import ToolCall
 
 Kind = Literal["chat", "text"]
 TokenText = Callable[[int], str]
@@ -40,6 +43,28 @@ def sum_usage(usages: list[Usage | None], *, choices_per_prompt: int) -> Usage:
         completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
         cached_tokens=sum(u.cached_tokens for u in prompts if u is not None),
     )
+
+
+@dataclass
+class Reply:
+    """A whole chat reply, split: its content, reasoning and tool calls."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, pieces: list[Piece]) -> Reply:
+        reply = cls()
+        for piece in pieces:
+            match piece:
+                case Content(text=text):
+                    reply.content += text
+                case Reasoning(text=text):
+                    reply.reasoning += text
+                case Called(call=call):
+                    reply.calls.append(call)
+        return reply
 
 
 def chat_logprobs(records: list[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
@@ -101,10 +126,23 @@ def completion_body(
 
 
 def choice_body(
-    kind: Kind, index: int, text: str, finish_reason: str | None, logprobs: Any
+    kind: Kind,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: Any,
+    reply: Reply | None = None,
 ) -> dict[str, Any]:
+    """``reply``: a chat reply split into content, reasoning and tool calls (else ``text`` is
+    the content)."""
     if kind == "chat":
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reply is not None:
+            message["content"] = reply.content if reply.content or not reply.calls else None
+            if reply.reasoning:
+                message["reasoning_content"] = reply.reasoning
+            if reply.calls:
+                message["tool_calls"] = [call.openai() for call in reply.calls]
         return {
             "index": index,
             "message": message,
@@ -125,13 +163,21 @@ def chunk_body(
     role: bool = False,
     finish_reason: str | None = None,
     logprobs: Any = None,
+    reasoning: str | None = None,
+    tool_call: tuple[int, ToolCall] | None = None,
 ) -> dict[str, Any]:
+    """A chat chunk's delta holds ``text`` as its content, or ``reasoning`` (its
+    ``reasoning_content``), or one ``tool_call`` (its index among the reply's calls, and it)."""
     if kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
+        if tool_call is not None:
+            delta["tool_calls"] = [{"index": tool_call[0]} | tool_call[1].openai()]
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": finish_reason}

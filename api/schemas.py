@@ -3,15 +3,14 @@
 Type errors are pydantic's, named by :func:`error_param` as OpenAI names them
 (``messages.[0].content``); range errors come from ``SamplingParams``, named by the field the
 client sent (``max_completion_tokens`` or ``max_tokens``). A field of OpenAI's that would change
-what is generated and that this server does not implement (tools, ``response_format`` other
-than text, ...) gets a 400 naming it: answering 200 with free text to a client that asked for
-JSON or a tool call is worse than a clear refusal. Fields OpenAI does not define are ignored, and
+what is generated and that this server does not implement (``functions``, ``audio``, ...) gets
+a 400 naming it: answering 200 with free text to a client that asked for something else is worse
+than a clear refusal. Fields OpenAI does not define are ignored, and
 logged once per name.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
@@ -20,8 +19,21 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..engine.errors import InvalidRequestError
 from ..engine.params import MAX_SEED, Grammar, SamplingParams
-from ..engine.prompt import ChatMessage
+from ..engine.prompt import Chat
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ..engine.tools import Tool, ToolChoice, call_grammar, check_choice
+from .chat_parts import (
+    Body,
+    CalledFunction,
+    FunctionName,
+    FunctionSpec,
+    Message,
+    MessageToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    TextPart,
+    ToolSpec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +42,8 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI's fields that change what is generated and that this server does not implement yet.
 UNSUPPORTED_CHAT_FIELDS = frozenset(
     {
-        "tools",
-        "tool_choice",
-        "functions",
+        "functions",  # OpenAI's deprecated form of tools
         "function_call",
-        "parallel_tool_calls",
         "audio",
         "prediction",
         "web_search_options",
@@ -52,32 +61,11 @@ MAX_LOGGED_FIELDS = 1000  # names logged at most, so that no client can grow the
 MAX_LOGGED_NAME = 64  # characters of a name logged (a client chooses it)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class Message(_Body):
-    role: str
-    content: str | list[TextPart] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     model: str
     max_tokens: StrictInt | None = None
     temperature: Number | None = None
@@ -208,38 +196,9 @@ def _first_time(name: str) -> bool:
 def _is_default(name: str, value: Any) -> bool:
     """Values of an unsupported field that ask for nothing it would do."""
     match name, value:
-        case ("tool_choice", "none") | ("parallel_tool_calls", _) | ("tools", []):
-            return True
         case ("best_of", 1) | ("suffix", ""):
             return True
     return False
-
-
-class JsonSchemaFormat(_Body):
-    name: str = "response"
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: StrictBool | None = None
-
-
-class ResponseFormat(_Body):
-    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (always held
-    to strictly here, whatever ``strict`` says)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    def grammar(self) -> Grammar | None:
-        match self.type:
-            case "json_object":
-                return Grammar("json_object")
-            case "json_schema":
-                if self.json_schema is None or self.json_schema.schema_ is None:
-                    raise InvalidRequestError(
-                        "response_format of type json_schema needs json_schema.schema",
-                        param="response_format.json_schema",
-                    )
-                return Grammar("json_schema", json.dumps(self.json_schema.schema_))
-        return None
 
 
 class ChatCompletionRequest(_Request):
@@ -250,6 +209,10 @@ class ChatCompletionRequest(_Request):
     top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_fields(self) -> None:
         super().check_fields()
@@ -257,11 +220,44 @@ class ChatCompletionRequest(_Request):
             raise InvalidRequestError(
                 "modalities: this server generates text only", param="modalities"
             )
+        check_choice(self.offered_tools(), self.choice())
+        forced = self.choice().forces_call
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                "a forced tool call (tool_choice required or a function) and a response_format "
+                "other than text cannot hold one reply together",
+                param="tool_choice",
+            )
 
-    def chat(self) -> tuple[ChatMessage, ...]:
+    def offered_tools(self) -> tuple[Tool, ...]:
+        return tuple(spec.tool() for spec in self.tools or ())
+
+    def choice(self) -> ToolChoice:
+        """``tool_choice`` as sent, else OpenAI's default: ``auto`` with tools, else ``none``."""
+        match self.tool_choice:
+            case NamedToolChoice(function=function):
+                return ToolChoice("function", function.name)
+            case None:
+                return ToolChoice("auto" if self.tools else "none")
+            case mode:
+                return ToolChoice(mode)
+
+    def chat(self) -> Chat:
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        return tuple(ChatMessage(m.role, m.text()) for m in self.messages)
+        tools = self.offered_tools() if self.choice().mode != "none" else ()
+        return Chat(
+            tuple(m.chat_message() for m in self.messages),
+            tools,
+            self.chat_template_kwargs or {},
+        )
+
+    def grammar(self) -> Grammar | None:
+        """What the reply is held to: a forced tool call's grammar, or ``response_format``'s."""
+        choice = self.choice()
+        if choice.forces_call:
+            return call_grammar(self.offered_tools(), choice, parallel=self.parallel_tool_calls)
+        return None if self.response_format is None else self.response_format.grammar()
 
     def params(
         self,
@@ -282,7 +278,7 @@ class ChatCompletionRequest(_Request):
             seed_offset=seed_offset,
             sent_as=sent_as,
             defaults=defaults,
-            grammar=None if self.response_format is None else self.response_format.grammar(),
+            grammar=self.grammar(),
         )
 
 
@@ -348,6 +344,12 @@ _BODIES: tuple[type[BaseModel], ...] = (
     Message,
     TextPart,
     StreamOptions,
+    MessageToolCall,
+    CalledFunction,
+    ToolSpec,
+    FunctionSpec,
+    NamedToolChoice,
+    FunctionName,
 )
 _FIELD_NAMES = frozenset(name for body in _BODIES for name in body.model_fields)
 

@@ -8,6 +8,7 @@ finish reasons and stats.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -29,6 +30,7 @@ from .outputs import Delta, GenerationStats
 from .params import PreparedRequest, SamplingParams
 from .prompt import Prompt, check_fits, encode_prompt
 from .prompt_cache import PromptCache, default_budget_bytes
+from .reply import ReplySyntax
 from .row import RowDecoder
 from .sampling import (
     make_row_processors,
@@ -149,6 +151,10 @@ class RequestPreparer:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    @functools.cached_property
+    def reply_syntax(self) -> ReplySyntax:
+        return ReplySyntax.of(self.tokenizer)
 
 
 class Engine:

@@ -1,29 +1,82 @@
-"""Turning a request's prompt (plain text or chat messages) into token ids, with checks."""
+"""Turning a request's prompt (plain text, chat messages, or a :class:`Chat` with tools) into
+token ids, with checks."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import ContextLengthExceededError, InvalidRequestError
+from .tools import (
+    RESPONSE_END,
+    RESPONSE_START,
+    Tool,
+    ToolCall,
+    generic_call_text,
+    generic_instructions,
+)
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "chat_template",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
+    """One turn. An assistant turn may carry the ``tool_calls`` it made; a ``tool`` turn is
+    the result of the call ``tool_call_id``."""
+
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
-Prompt = str | Sequence[ChatMessage]
+@dataclass(frozen=True, slots=True)
+class Chat:
+    """Chat messages with what else the chat template gets: the ``tools`` the model may call
+    and ``template_kwargs`` (a request's ``chat_template_kwargs``, e.g.
+    ``{"enable_thinking": False}``)."""
+
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[Tool, ...] = ()
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs))
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}",
+                param="chat_template_kwargs",
+            )
 
 
-def check_messages(messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[ChatMessage]:
+Prompt = str | Sequence[ChatMessage] | Chat
+
+
+def check_messages(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> list[ChatMessage]:
     """Validate chat messages; return them as :class:`ChatMessage` values."""
     if len(messages) == 0:
         raise InvalidRequestError("messages must not be empty", param="messages")
@@ -31,8 +84,8 @@ def check_messages(messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[
     for i, message in enumerate(messages):
         if isinstance(message, Mapping):
             role, content = message.get("role"), message.get("content")
-        else:
-            role, content = message.role, message.content
+            message = ChatMessage(role, content)  # type: ignore[arg-type]  (checked below)
+        role, content = message.role, message.content
         if role not in CHAT_ROLES:
             raise InvalidRequestError(
                 f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
@@ -42,7 +95,7 @@ def check_messages(messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[
             raise InvalidRequestError(
                 f"messages[{i}].content must be a string", param=f"messages[{i}].content"
             )
-        checked.append(ChatMessage(role=role, content=content))
+        checked.append(message)
     return checked
 
 
@@ -50,19 +103,81 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
     """Token ids for a plain completion prompt (a string) or a chat (a list of messages).
 
     Chats go through the model's chat template with the generation prompt appended; a model
-    without a template gets its messages joined one per line.
+    without a template gets its messages joined one per line. Tools go to a template that
+    renders them, else into the system message in the generic format (``engine/tools.py``).
     """
     if isinstance(prompt, str):
         if prompt == "":
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         ids = tokenizer.encode(prompt, add_special_tokens=True)
         return ids if ids else tokenizer.encode(prompt, add_special_tokens=False)
-    messages = check_messages(prompt)
-    as_dicts = [{"role": m.role, "content": m.content} for m in messages]
-    if tokenizer.has_chat_template:
-        return list(tokenizer.apply_chat_template(as_dicts, add_generation_prompt=True))
-    text = "\n".join(f"{m.role}: {m.content}" for m in messages) + "\nassistant:"
-    return tokenizer.encode(text, add_special_tokens=True)
+    chat = prompt if isinstance(prompt, Chat) else Chat(tuple(prompt))
+    messages = check_messages(chat.messages)
+    native = tokenizer.has_chat_template and tokenizer.has_tool_calling
+    if not native and (chat.tools or any(m.tool_calls or m.role == "tool" for m in messages)):
+        messages = generic_tool_turns(messages, chat.tools)
+    if not tokenizer.has_chat_template:
+        text = "\n".join(f"{m.role}: {m.content}" for m in messages) + "\nassistant:"
+        return tokenizer.encode(text, add_special_tokens=True)
+    kwargs = dict(chat.template_kwargs)
+    if native and chat.tools:
+        kwargs["tools"] = [t.openai() for t in chat.tools]
+    try:
+        return list(
+            tokenizer.apply_chat_template(
+                [template_message(m) for m in messages], add_generation_prompt=True, **kwargs
+            )
+        )
+    except Exception as exc:  # jinja2's errors, raised by the model's own template
+        if type(exc).__module__.split(".")[0] != "jinja2":
+            raise
+        raise InvalidRequestError(
+            f"the model's chat template refused the messages: {exc}", param="messages"
+        ) from None
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (OpenAI's shape, a call's arguments as a value)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.parsed_arguments()},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def generic_tool_turns(messages: list[ChatMessage], tools: Sequence[Tool]) -> list[ChatMessage]:
+    """The messages in the generic tool format, for a template without tools: the tools in the
+    system message, calls as ``<tool_call>`` blocks in the assistant's turns, results as
+    ``<tool_response>`` blocks in a user turn (one for consecutive results)."""
+    turns: list[ChatMessage] = []
+    for message in messages:
+        if message.role == "tool":
+            block = f"{RESPONSE_START}\n{message.content}\n{RESPONSE_END}"
+            if turns and turns[-1].role == "user" and turns[-1].content.endswith(RESPONSE_END):
+                turns[-1] = ChatMessage("user", turns[-1].content + "\n" + block)
+            else:
+                turns.append(ChatMessage("user", block))
+        elif message.tool_calls:
+            calls = [generic_call_text(call) for call in message.tool_calls]
+            text = "\n".join(([message.content] if message.content else []) + calls)
+            turns.append(ChatMessage("assistant", text))
+        else:
+            turns.append(message)
+    if tools:
+        offered = generic_instructions(tools)
+        if turns and turns[0].role == "system":
+            turns[0] = ChatMessage("system", turns[0].content + "\n\n" + offered)
+        else:
+            turns.insert(0, ChatMessage("system", offered))
+    return turns
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, context_length: int) -> None:

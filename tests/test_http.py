@@ -31,6 +31,13 @@ def chat_body(content: str = "hi", **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}]} | extra
 
 
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+def named(function: str) -> dict:
+    return {"type": "function", "function": {"name": function}}
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     with scripted_server(
@@ -150,9 +157,24 @@ def test_sdk_stop_strings_and_chat_logprobs(server):
         (chat_body(temperature="hot"), 400, "temperature", None),
         (chat_body(content="x" * 5000, max_tokens=10), 400, "messages", "context_length_exceeded"),
         ({"model": MODEL, "prompt": "", "max_tokens": 2}, 400, "prompt", None),
-        # OpenAI's fields that this server does not implement yet: refused, not dropped.
-        (chat_body(tools=[{"type": "function"}]), 400, "tools", "unsupported"),
-        (chat_body(tool_choice="required"), 400, "tool_choice", "unsupported"),
+        # OpenAI's fields that this server does not implement: refused, not dropped.
+        (chat_body(functions=[{"name": "f"}]), 400, "functions", "unsupported"),
+        (chat_body(audio={"voice": "x"}), 400, "audio", "unsupported"),
+        # Tools that cannot be offered as asked.
+        (chat_body(tools=[{"type": "function"}]), 400, "tools.[0].function", None),
+        (chat_body(tool_choice="required"), 400, "tool_choice", None),
+        (chat_body(tools=[TOOL], tool_choice=named("other")), 400, "tool_choice", None),
+        (chat_body(tools=[TOOL | {"function": {"name": "a b"}}]), 400, "tools", None),
+        (chat_body(tools=[TOOL, TOOL], tool_choice="required"), 400, "tools", None),
+        (
+            chat_body(
+                tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}
+            ),
+            400,
+            "tool_choice",
+            None,
+        ),
+        (chat_body(chat_template_kwargs={"tokenize": False}), 400, "chat_template_kwargs", None),
         (
             chat_body(response_format={"type": "json_schema"}),
             400,

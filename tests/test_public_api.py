@@ -16,6 +16,8 @@ PUBLIC = {
     "open_runtime", "RuntimeHandle", "SessionHandle", "Collected", "RuntimeConfig",
     "RuntimeStatistics", "freeze_startup_heap",
     "GenerationRequest", "SamplingParams", "SamplingDefaults", "ChatMessage",
+    "Grammar", "Chat", "Tool", "ToolCall", "ToolChoice", "call_grammar",
+    "ReplySyntax", "ReplySplitter", "Content", "Reasoning", "Called",
     "TextDelta", "Progress", "Completed", "Cancelled", "Failed", "Event", "Outcome",
     "CancelReason", "FinishReason", "Usage", "Timings", "TokenLogprob",
     "MlxTrioError", "InvalidRequestError", "ContextLengthExceededError", "RuntimeRefusal",

@@ -21,22 +21,27 @@ def python_blocks() -> list[str]:
 
 
 @pytest.mark.e2e
-def test_the_structured_output_example_runs_against_a_real_server(tmp_path):
-    (block,) = [b for b in python_blocks() if "completions.parse" in b]
+def test_the_sdk_examples_run_against_a_real_server(tmp_path):
+    """The structured-output and the tool-calling examples, as written."""
+    structured, tools = [b for b in python_blocks() if "completions.parse" in b]
     with ServerThread(ServeOptions(runtime=RuntimeConfig(max_batch=4))) as server:
         server.wait_healthy()
         model = model_id(server)
-        script = tmp_path / "structured.py"
-        script.write_text(
-            block.replace("http://127.0.0.1:8000", server.url).replace(
-                '"smollm2-135m-instruct"', repr(model)
+        outputs = []
+        for name, block in (("structured", structured), ("tools", tools)):
+            script = tmp_path / f"{name}.py"
+            script.write_text(
+                block.replace("http://127.0.0.1:8000", server.url).replace(
+                    '"smollm2-135m-instruct"', repr(model)
+                )
             )
-        )
-        result = subprocess.run(
-            [sys.executable, str(script)], capture_output=True, text=True, timeout=300
-        )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("name=") and "population=" in result.stdout
+            result = subprocess.run(
+                [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+            )
+            assert result.returncode == 0, result.stderr
+            outputs.append(result.stdout)
+    assert outputs[0].startswith("name=") and "population=" in outputs[0]
+    assert outputs[1].startswith("GetWeather city=")
 
 
 @pytest.mark.e2e

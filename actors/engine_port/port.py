@@ -44,6 +44,7 @@ from ...engine.generate import RequestPreparer
 from ...engine.outputs import PromptCacheStatistics, RowEvent
 from ...engine.params import PreparedRequest, SamplingParams
 from ...engine.prompt import Prompt
+from ...engine.reply import ReplySyntax
 from ...engine.sampling_defaults import SamplingDefaults
 from ...engine.warmup import WarmupReport
 from ..port import ALWAYS_UP, EngineLiveness
@@ -225,6 +226,9 @@ class CorePort:
 
     def token_text(self, token_id: int) -> str:
         return self._the_preparer().token_text(token_id)
+
+    def reply_syntax(self) -> ReplySyntax:
+        return self._the_preparer().reply_syntax
 
     def _the_preparer(self) -> RequestPreparer:
         if self._preparer is None:
