@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -114,8 +114,8 @@ class GrammarProcessor:
 
     def __init__(self, grammar: Grammar, tokenizer: llguidance.LLTokenizer) -> None:
         self._matcher = llguidance.LLMatcher(tokenizer, llguidance_grammar(grammar), log_level=0)
-        self._vocab = tokenizer.vocab_size
-        self._bitmask = llnumpy.allocate_token_bitmask(1, self._vocab)
+        self.vocab_size = tokenizer.vocab_size
+        self._bitmask = llnumpy.allocate_token_bitmask(1, self.vocab_size)
         self._started = False
         self._consumed = 0  # tokens fed to the matcher
 
@@ -125,15 +125,72 @@ class GrammarProcessor:
             self._matcher.rollback(1)
             self._consumed -= 1
 
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        return self._matcher
+
+    def to_feed(self, token: int | None) -> tuple[llguidance.LLMatcher, int] | None:
+        """What feeding the row's last token ahead of its next mask takes: its matcher and
+        the token, to consume now (None before the first mask: the row's first token is
+        masked before it exists)."""
+        if not self._started:
+            self._started = True
+            return None
+        assert token is not None
+        self._consumed += 1
+        return self._matcher, token
+
+    def advance(self, token: int | None) -> None:
+        feed = self.to_feed(token)
+        if feed is not None:
+            self._matcher.consume_token(feed[1])
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if self._started:
-            self._matcher.consume_token(int(tokens.reshape(-1)[-1].item()))
-            self._consumed += 1
-        self._started = True
+        self.advance(int(tokens.reshape(-1)[-1].item()) if self._started else None)
         llnumpy.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        allowed = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")
-        width = logits.shape[-1]
-        if allowed.size < width:
-            allowed = np.pad(allowed, (0, width - allowed.size))
-        mask = mx.array(allowed[:width].astype(np.bool_))
-        return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return masked(logits, self._bitmask)
+
+
+def masked(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """``logits`` (rows x vocabulary) with the tokens ``bitmask`` (llguidance's packed rows:
+    bit ``t % 32`` of word ``t // 32`` allows token ``t``) does not allow set to -inf. The
+    words go to the device as they are (a 32nd of the bytes of one flag a token) and are
+    unpacked there."""
+    words = mx.array(bitmask.view(np.uint32))
+    rows, width = logits.shape
+    bits = mx.arange(32, dtype=mx.uint32)  # made here: MLX's arrays belong to a thread's stream
+    allowed = ((words[:, :, None] >> bits) & 1).reshape(rows, -1)
+    if allowed.shape[-1] < width:  # a model's head wider than its tokenizer's vocabulary
+        allowed = mx.pad(allowed, ((0, 0), (0, width - allowed.shape[-1])))
+    return mx.where(allowed[:, :width] > 0, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+class BatchMasks:
+    """The masks of a batch's rows held to grammars, computed together: each matcher fed its
+    row's last token, then every mask filled in parallel (llguidance's threads, without the
+    GIL) while the model's forward runs, and applied to the batch's logits at once."""
+
+    _executor: llguidance.LLExecutor | None = None
+
+    def __init__(self, processors: Sequence[Sequence[Any] | None]) -> None:
+        """``processors``: each row's logits processors (None: none)."""
+        self.rows = [
+            (row, p)
+            for row, ps in enumerate(processors)
+            for p in ps or ()
+            if isinstance(p, GrammarProcessor)
+        ]
+        self.num_rows = len(processors)
+
+    def fill(self, last_tokens: Sequence[int]) -> np.ndarray:
+        """Feed each held row its last token; its packed masks (free rows allow all)."""
+        if BatchMasks._executor is None:
+            BatchMasks._executor = llguidance.LLExecutor()
+        vocab = self.rows[0][1].vocab_size
+        bitmask = llnumpy.allocate_token_bitmask(self.num_rows, vocab)
+        bitmask.fill(-1)
+        feeds = [p.to_feed(last_tokens[row]) for row, p in self.rows]
+        llnumpy.consume_token_par(BatchMasks._executor, [f for f in feeds if f is not None])
+        matchers = [(processor.matcher, row) for row, processor in self.rows]
+        llnumpy.fill_next_token_bitmask_par(BatchMasks._executor, matchers, bitmask)
+        return bitmask

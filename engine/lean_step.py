@@ -12,6 +12,11 @@ model (49,152 tokens), a decode step took 196 ms with it and 172 ms without (0.8
 whose step is mlx-lm 0.32.2's (pinned in pyproject.toml) with that one line changed: while no
 row in the batch wants log-probabilities, the samplers get the logits and the responses carry
 them in place of the log-probabilities (which nobody reads). Otherwise it runs mlx-lm's own.
+
+The same step computes the masks of the rows held to grammars together (``grammar.BatchMasks``):
+each row's processor call would read its last token back from the device (a sync per row) and
+fill and apply its mask alone; here one read of the batch's tokens, the masks filled in
+parallel while the forward runs, and one ``where`` over the batch's logits.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 # isort: split
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+from .grammar import BatchMasks, GrammarProcessor, masked
 
 WantsLogprobs = Callable[[Sequence[int]], bool]
 
@@ -44,12 +51,25 @@ class LeanGenerationBatch(GenerationBatch):
         logits = self.model(inputs[:, None], cache=self.prompt_cache)
         logits = logits[:, -1, :]
 
+        # Ours: the rows held to grammars get their masks together, while the forward runs.
+        masks = BatchMasks(self.logits_processors)
+        bitmask = None
+        if masks.rows:
+            mx.async_eval(logits)
+            bitmask = masks.fill(inputs.tolist())
+
         token_context = []
-        if any(self.logits_processors):
+        # Ours: with the grammars masked below, the rows left to process one by one are those
+        # with other processors (penalties, logit bias): with none, no row is sliced out.
+        per_row = [
+            [p for p in ps or () if bitmask is None or not isinstance(p, GrammarProcessor)]
+            for ps in self.logits_processors
+        ]
+        if any(per_row):
             processed_logits = []
             for e in range(len(self.uids)):
                 sample_logits = logits[e : e + 1]
-                processors = self.logits_processors[e] or ()
+                processors = per_row[e]
                 if processors:
                     context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
                     token_context.append(context)
@@ -57,6 +77,8 @@ class LeanGenerationBatch(GenerationBatch):
                         sample_logits = processor(context, sample_logits)
                 processed_logits.append(sample_logits)
             logits = mx.concatenate(processed_logits, axis=0)
+        if bitmask is not None:  # ours: a row's grammar comes after its other processors
+            logits = masked(logits, bitmask)
 
         samplers = [
             self.fallback_sampler if s is None else s

@@ -123,3 +123,16 @@ def test_parking_and_going_solo_leave_a_constrained_row_as_it_would_be(tiny_engi
                 tokens.extend(event.delta.token_ids)
     assert other != row and tokens == expected[0]
     check_schema(json.loads(expected[1]))
+
+
+def test_a_held_row_beside_one_that_wants_logprobs_still_validates(tiny_engine: Engine):
+    """A row that wants log-probabilities sends the batch through mlx-lm's own step, where
+    each grammar masks its row alone; the held row's JSON validates either way."""
+    held = SamplingParams(temperature=0, max_tokens=200, grammar=Grammar.json_schema(SCHEMA))
+    wants = SamplingParams(temperature=0, max_tokens=24, logprobs=True)
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    row = batch.add(tiny_engine.prepare("a b", held))
+    batch.add(tiny_engine.prepare("c d", wants))
+    _, text, reason = run(batch)[row]
+    assert reason == "stop"
+    check_schema(json.loads(text))
