@@ -5,8 +5,9 @@ transports, sampled or greedy."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 import openai
 import pytest
@@ -59,30 +60,228 @@ class Flags(BaseModel):
     colors: list[Color] = Field(max_length=3)
 
 
+class Priority(StrEnum):
+    low = "low"
+    medium = "medium"
+    high = "high"
+
+
+class Point(BaseModel):
+    x: float = Field(ge=-100, le=100)
+    y: float = Field(ge=-100, le=100)
+
+
+class Polygon(BaseModel):
+    name: Short
+    points: list[Point] = Field(min_length=3, max_length=4)
+
+
+class Task(BaseModel):
+    title: str = Field(max_length=40)
+    priority: Priority
+    done: bool
+    estimate_hours: float | None = Field(default=None, ge=0, le=100)
+
+
+class TodoList(BaseModel):
+    owner: Short
+    tasks: list[Task] = Field(max_length=3)
+
+
+class Ingredient(BaseModel):
+    item: Short
+    grams: int = Field(ge=1, le=2000)
+
+
+class Recipe(BaseModel):
+    dish: str = Field(max_length=30)
+    servings: int = Field(ge=1, le=12)
+    ingredients: list[Ingredient] = Field(max_length=4)
+    vegetarian: bool
+
+
+class Movie(BaseModel):
+    title: str = Field(max_length=40)
+    year: int = Field(ge=1900, le=2030)
+    rating: float = Field(ge=0, le=10)
+    genres: list[Short] = Field(max_length=3)
+
+
+class Sentiment(StrEnum):
+    positive = "positive"
+    neutral = "neutral"
+    negative = "negative"
+
+
+class Review(BaseModel):
+    sentiment: Sentiment
+    confidence: float = Field(ge=0, le=1)
+    keywords: list[Short] = Field(max_length=3)
+
+
+class City(BaseModel):
+    name: Short
+    country: Short
+    population_millions: float = Field(ge=0, le=50)
+    capital: bool
+
+
+class Trip(BaseModel):
+    origin: City
+    destination: City
+    days: int = Field(ge=1, le=30)
+
+
+class Money(BaseModel):
+    amount: float = Field(ge=0, le=1_000_000)
+    currency: Literal["EUR", "USD", "GBP"]
+
+
+class LineItem(BaseModel):
+    description: str = Field(max_length=30)
+    quantity: int = Field(ge=1, le=100)
+    price: Money
+
+
+class Invoice(BaseModel):
+    number: int = Field(ge=1, le=99999)
+    items: list[LineItem] = Field(min_length=1, max_length=3)
+    paid: bool
+    note: Short | None = None
+
+
+class Contact(BaseModel):
+    email: str = Field(max_length=40)
+    phone: str | None = Field(default=None, max_length=20)
+
+
+class Company(BaseModel):
+    name: str = Field(max_length=30)
+    founded: int = Field(ge=1800, le=2026)
+    employees: int = Field(ge=1, le=1_000_000)
+    contact: Contact
+    public: bool
+
+
+class Weather(BaseModel):
+    city: Short
+    temperature_c: float = Field(ge=-60, le=60)
+    conditions: Literal["sunny", "cloudy", "rain", "snow"]
+    wind_kmh: int | None = Field(default=None, ge=0, le=300)
+
+
+class Grade(BaseModel):
+    subject: Short
+    score: int = Field(ge=0, le=100)
+
+
+class Student(BaseModel):
+    name: Short
+    grades: list[Grade] = Field(max_length=4)
+    mentor: Person | None = None
+
+
+class Event(BaseModel):
+    name: str = Field(max_length=30)
+    day: int = Field(ge=1, le=31)
+    month: int = Field(ge=1, le=12)
+    attendees: list[Short] = Field(max_length=3)
+
+
+class Answer(BaseModel):
+    answer: Literal["yes", "no"]
+    reason: str = Field(max_length=60)
+
+
+class Matrix(BaseModel):
+    rows: list[list[int]] = Field(min_length=2, max_length=2)
+
+
+class Book(BaseModel):
+    title: str = Field(max_length=40)
+    author: Short
+    pages: int = Field(ge=1, le=2000)
+
+
+class Library(BaseModel):
+    books: list[Book] = Field(min_length=1, max_length=2)
+    open_weekends: bool
+
+
+class Settings(BaseModel):
+    theme: Literal["light", "dark"]
+    font_size: int = Field(ge=8, le=32)
+    notifications: Flags
+    language: Short | None = None
+
+
 CASES = [
     (Person, "Invent a person who lives in Paris."),
     (Solution, "Solve 12 + 30 step by step."),
     (Flags, "Give me some flags and scores."),
 ]
+# Twenty schemas, asked together (the batch serves them side by side).
+SCHEMAS = [
+    (Person, "Invent a person who lives in Paris."),
+    (Solution, "Solve 12 + 30 step by step."),
+    (Flags, "Give me some flags and scores."),
+    (Polygon, "Describe a triangle."),
+    (TodoList, "Plan my Saturday."),
+    (Recipe, "A recipe for pancakes."),
+    (Movie, "Tell me about a film you like."),
+    (Review, "Review: the food was great but slow service."),
+    (Trip, "A trip from Rome to Berlin."),
+    (Invoice, "Write an invoice for two chairs."),
+    (Company, "Describe a small bakery business."),
+    (Weather, "What is the weather in Oslo?"),
+    (Student, "A student's report card."),
+    (Event, "A birthday party."),
+    (Answer, "Is the sky blue?"),
+    (Matrix, "A 2x2 identity matrix."),
+    (Library, "A small town library."),
+    (Settings, "My app settings."),
+    (City, "Describe Madrid."),
+    (Ingredient, "One ingredient of bread."),
+]
 
 
 @pytest.mark.parametrize(("schema", "prompt"), CASES, ids=[c[0].__name__ for c in CASES])
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_parse_validates_against_the_pydantic_model(
-    default_model_server, schema, prompt, temperature
-):
+def test_parse_validates_against_the_pydantic_model_greedy(default_model_server, schema, prompt):
     sdk = openai.OpenAI(base_url=f"{default_model_server.url}/v1", api_key="unused")
     reply = sdk.chat.completions.parse(
         model=model_id(default_model_server),
         messages=[{"role": "user", "content": prompt}],
         response_format=schema,
-        temperature=temperature,
-        seed=3,
+        temperature=0,
         max_tokens=600,
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
     assert isinstance(choice.message.parsed, schema)
+
+
+def test_twenty_schemas_asked_together_each_validate(default_model_server):
+    sdk = openai.OpenAI(base_url=f"{default_model_server.url}/v1", api_key="unused")
+    model = model_id(default_model_server)
+
+    def parse(case: tuple[type[BaseModel], str]) -> tuple[str | None, object]:
+        schema, prompt = case
+        reply = sdk.chat.completions.parse(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=schema,
+            temperature=0.7,
+            seed=11,
+            max_tokens=600,
+        )
+        return reply.choices[0].finish_reason, reply.choices[0].message.parsed
+
+    with ThreadPoolExecutor(len(SCHEMAS)) as pool:
+        results = list(pool.map(parse, SCHEMAS))
+    assert len({schema for schema, _ in SCHEMAS}) == 20
+    for (schema, _), (reason, parsed) in zip(SCHEMAS, results, strict=True):
+        assert reason == "stop", schema.__name__
+        assert isinstance(parsed, schema)
 
 
 def test_json_object_mode_streams_a_json_object(default_model_server):
