@@ -24,7 +24,7 @@ from typing import Any
 from ...actors.engine_port.thread import ThreadedEngine
 from ...engine.generate import Engine
 from ...engine.params import PreparedRequest, SamplingParams
-from ...engine.prompt import Prompt
+from ...engine.prompt import Chat, Prompt
 
 
 def prompt_ids(text: str, length: int) -> tuple[int, ...]:
@@ -104,7 +104,8 @@ class TokenIdPort:
         return self._inner.kv_bytes
 
     async def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
-        text = prompt if isinstance(prompt, str) else prompt[-1].content
+        messages = prompt.messages if isinstance(prompt, Chat) else prompt
+        text = messages if isinstance(messages, str) else messages[-1].content
         return PreparedRequest(prompt_ids(text, self._prompt_tokens), params)
 
     async def batch_step(self, steps: int = 1, ahead: int = 0) -> Any:
