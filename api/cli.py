@@ -16,6 +16,7 @@ from ..engine.params import SamplingParams
 from ..engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
 from . import bench as bench_harness
 from .chaos import command as chaos_command
+from .cli_ranks import add_rank_flags, generate_on_ranks, rank_group
 
 logger = logging.getLogger("mlx_trio.cli")
 
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     _add_memory_limit(generate)
     _add_sampling_flags(generate)
+    add_rank_flags(generate)
 
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1")
@@ -197,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt cache budget (default: 1/8 of memory, at most 8 GiB; 0 turns it off)",
     )
     _add_memory_limit(serve)
+    add_rank_flags(serve)
 
     chaos = commands.add_parser(
         "chaos", help="run a randomized workload with injected faults and check the invariants"
@@ -223,6 +226,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     flags = _flag_defaults(args)
     _sampling_params(args, flags)  # a bad flag is refused before the model loads
+    ranks = rank_group(args)
+    if ranks is not None:
+        return generate_on_ranks(
+            args,
+            ranks,
+            lambda model: _sampling_params(args, flags.over(model)),
+            _memory_limit(args),
+        )
     limit = _memory_limit(args) or default_limit(runs_on_gpu(args.device))
     engine = Engine.load(args.model, device=args.device, memory_limit=limit)
     budget = plan_memory(engine, max_batch=1)
@@ -283,6 +294,7 @@ def _serve(args: argparse.Namespace) -> int:
         prompt_cache_bytes=args.prompt_cache_bytes,
         memory_limit=_memory_limit(args),
         engine_process={"auto": None, "thread": False, "process": True}[args.engine],
+        ranks=rank_group(args),
         runtime=RuntimeConfig(
             max_batch=args.max_batch,
             max_live=args.max_live,

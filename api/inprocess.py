@@ -42,6 +42,7 @@ from ..actors.port import EnginePort
 from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
 from ..engine.budget import MemoryLimit, default_limit
+from ..engine.rank_group import RankGroup
 from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
 
@@ -230,6 +231,7 @@ async def open_runtime(
     memory_limit: str | int | float | MemoryLimit | None = None,
     engine_process: bool | None = None,
     config: RuntimeConfig | None = None,
+    ranks: RankGroup | None = None,
     **config_fields: object,
 ) -> AsyncIterator[RuntimeHandle]:
     """Start a runtime on ``model`` (None: the embedded default) or on a given ``engine``.
@@ -243,6 +245,8 @@ async def open_runtime(
     on a thread beside the event loop; None picks the process on a GPU, where the two threads'
     shared GIL costs the most (design/009). Either runs under a supervisor that restarts it if
     it dies or wedges (``max_engine_restarts`` in a crash loop, then gives up; design/016).
+    ``ranks``: run the engine over a group of ranks that ``mlx.launch`` starts, the model split
+    over them (``RankGroup(3, "tensor")``; design/020); the prompt cache is off there.
     Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
     On exit, admission closes and in-flight requests get ``shutdown_grace_s`` to finish.
     """
@@ -254,7 +258,7 @@ async def open_runtime(
 
     async with (
         open_supervised_port(
-            model, device, prompt_cache_bytes, engine_process, config, memory_limit
+            model, device, prompt_cache_bytes, engine_process, config, memory_limit, ranks
         ) as port,
         open_runtime_actors(port, config) as runtime,
     ):
@@ -268,6 +272,7 @@ def open_supervised_port(
     engine_process: bool | None,
     config: RuntimeConfig,
     memory_limit: str | int | float | MemoryLimit | None = None,
+    ranks: RankGroup | None = None,
 ) -> AbstractAsyncContextManager[EnginePort]:
     """The engine on a thread or in a process, under a supervisor that restarts it when it
     dies or wedges (``actors/engine_port/supervisor.py``)."""
@@ -283,6 +288,9 @@ def open_supervised_port(
     on_gpu = runs_on_gpu(device)
     if engine_process is None:
         engine_process = on_gpu
+    if ranks is not None:
+        # Each rank's prompt cache would decide hits on its own; the ranks must not differ.
+        engine_process, prompt_cache_bytes = True, 0
     limit = _memory_limit(memory_limit, on_gpu=on_gpu)
     policy = RestartPolicy(
         max_restarts=config.max_engine_restarts, step_timeout_s=config.step_timeout_s
@@ -306,7 +314,7 @@ def open_supervised_port(
                 preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
             build = partial(Engine.load, model, **load_options)
             async with open_process_transport(
-                build, max_batch=config.max_batch, prefill_chunk=chunk
+                build, max_batch=config.max_batch, prefill_chunk=chunk, ranks=ranks
             ) as (transport, reply):
                 assert reply.value is not None
                 yield transport, reply.value

@@ -20,6 +20,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from ..actors.config import RuntimeConfig
 from ..actors.port import EnginePort
 from ..engine.budget import MemoryLimit
+from ..engine.rank_group import RankGroup
 from ..engine.sampling_defaults import describe
 from .http import build_app
 from .http_state import AppState, HttpSettings
@@ -37,6 +38,7 @@ class ServeOptions:
     prompt_cache_bytes: int | None = None
     memory_limit: MemoryLimit | None = None  # None: the default share of the device's memory
     engine_process: bool | None = None  # None: on a GPU (see open_runtime)
+    ranks: RankGroup | None = None  # the engine over several ranks (see open_runtime)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     http: HttpSettings = field(default_factory=HttpSettings)
     keep_alive_timeout_s: float = 5.0
@@ -97,6 +99,7 @@ async def serve(
                 memory_limit=options.memory_limit,
                 engine_process=options.engine_process,
                 config=options.runtime,
+                ranks=options.ranks,
             ) as rt:
                 state.runtime = rt
                 state.model_id = rt.model_id

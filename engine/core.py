@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from .batch import DEFAULT_PREFILL_CHUNK, PREFILL_BATCH, BatchEngine
 from .budget import MemoryBudget, MemoryUsage
+from .distributed import AHEAD, STOP
 from .generate import Engine, Generation
 from .memory import apply_budget, memory_usage, plan_budget, trim_allocator
 from .outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
@@ -176,6 +177,9 @@ class EngineCore:
         batch = self._batch
         if batch is None or not batch.may_step_ahead():
             return False
+        lockstep = self.engine.lockstep
+        if lockstep is not None and lockstep.is_leader:  # the other ranks step ahead too
+            lockstep.send(AHEAD)
         if self._threads is None:
             return batch.step_ahead()
         self._threads.begin(batch.shape())
@@ -242,6 +246,9 @@ class EngineCore:
             self._batch = None
         if self._threads is not None:
             self._threads.close()
+        lockstep = self.engine.lockstep
+        if lockstep is not None and lockstep.is_leader:
+            lockstep.send(STOP)
 
 
 def plan_memory(

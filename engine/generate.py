@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
@@ -31,6 +32,9 @@ from .params import PreparedRequest, SamplingParams
 from .prompt import Prompt, check_fits, encode_prompt
 from .prompt_cache import PromptCache, default_budget_bytes
 from .reply import ReplySyntax
+
+if TYPE_CHECKING:
+    from .distributed import Lockstep
 from .row import RowDecoder
 from .sampling import (
     make_row_processors,
@@ -180,6 +184,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.prefill_step_size = prefill_step_size
         self.preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
+        # Over several ranks: rank 0 sends its calls to the others (engine/distributed.py).
+        self.lockstep: Lockstep | None = None
         self.vocab_size = self.preparer.vocab_size
         budget = default_budget_bytes() if prompt_cache_bytes is None else prompt_cache_bytes
         self.prompt_cache = PromptCache(budget, key=loaded.model_id) if budget > 0 else None

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import trio
 
@@ -34,7 +34,9 @@ from ...engine.budget import MemoryLimit
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
 from ...engine.child import EngineProcessError, serve_engine
 from ...engine.generate import Engine, RequestPreparer
+from ...engine.rank_group import RankGroup
 from .port import CallClock, CorePort
+from .ranks import open_rank_group
 
 __all__ = [
     "EngineProcessError",
@@ -53,6 +55,22 @@ CLOSE_TIMEOUT_S = 30.0
 R = TypeVar("R")
 
 
+class EngineProcess(Protocol):
+    """What the transport asks of the process its engine runs in."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
 class _Pending:
     """A call waiting for its reply, or for the error that there will be none."""
 
@@ -68,7 +86,9 @@ class ProcessTransport:
     """Calls to an :class:`EngineCore` in a child process over a socket; use
     :func:`open_process_engine`, which runs :meth:`read_replies` beside it."""
 
-    def __init__(self, stream: trio.SocketStream, process: multiprocessing.process.BaseProcess):
+    def __init__(self, stream: trio.SocketStream, process: EngineProcess):
+        """``process``: the child (a ``multiprocessing`` process, or a launched rank group,
+        which answers the same)."""
         self._stream = stream
         self.process = process
         self._pending: deque[_Pending] = deque()
@@ -289,9 +309,20 @@ async def open_process_transport(
     max_batch: int,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     warm_up: bool = True,
+    ranks: RankGroup | None = None,
 ) -> AsyncIterator[tuple[ProcessTransport, Reply[EngineStarted]]]:
     """The child of :func:`open_process_engine` and the transport to it, with its first reply;
-    a supervisor starts one of these for each engine it runs."""
+    a supervisor starts one of these for each engine it runs. ``ranks``: the engine runs over
+    a group of ranks that ``mlx.launch`` starts instead (``actors/engine_port/ranks.py``)."""
+    if ranks is not None:
+        async with (
+            open_rank_group(
+                build, ranks, max_batch=max_batch, prefill_chunk=prefill_chunk, warm_up=warm_up
+            ) as (stream, group),
+            _serving(ProcessTransport(stream, group), group) as served,
+        ):
+            yield served
+        return
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe(duplex=True)  # a socket pair on POSIX
     process = context.Process(
@@ -304,7 +335,16 @@ async def open_process_transport(
     theirs.close()
     sock = trio.socket.fromfd(ours.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
     ours.close()
-    transport = ProcessTransport(trio.SocketStream(sock), process)
+    async with _serving(ProcessTransport(trio.SocketStream(sock), process), process) as served:
+        yield served
+
+
+@asynccontextmanager
+async def _serving(
+    transport: ProcessTransport, process: EngineProcess
+) -> AsyncIterator[tuple[ProcessTransport, Reply[EngineStarted]]]:
+    """``transport`` once its engine answered it started, reading its replies meanwhile;
+    on exit the engine is asked to end, and ``process`` killed if it is still there."""
     try:
         started = await transport.started()
         assert started.value is not None

@@ -1,0 +1,110 @@
+"""An engine over a group of ranks, started by ``mlx.launch`` (``engine/distributed.py``).
+
+The runtime stays in this process, as with an engine process; ``mlx.launch`` starts the ranks
+(``python -m mlx_trio.engine.rank``), and rank 0 connects back to a Unix socket here and
+answers the engine port's calls over it, framed as an engine process's are. The group is one
+"engine process" to the transport and its supervisor: if any rank dies, ``mlx.launch`` ends the
+others, rank 0's socket closes, the rows in flight end ``engine_fault``, ``/health`` turns 503,
+and the supervisor starts a new group (or gives up, as for any engine). A wedged rank (stopped,
+or stuck in a collective) wedges rank 0's call, which the step watchdog and the supervisor's
+wedge check catch the same way; killing the group kills every local rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ...engine.child import EngineProcessError
+from ...engine.rank import RankArgs
+from ...engine.rank_group import RankGroup
+
+logger = logging.getLogger(__name__)
+
+ACCEPT_POLL_S = 0.5
+
+
+class LaunchedGroup:
+    """``mlx.launch`` and its ranks, as an engine process: alive while the launcher runs;
+    killed with its whole process group."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self._process = process
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._process.poll()
+
+    def is_alive(self) -> bool:
+        return self._process.poll() is None
+
+    def kill(self) -> None:
+        with suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> None:
+        with suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout)
+
+
+@asynccontextmanager
+async def open_rank_group(
+    build: Callable[[], Any],
+    group: RankGroup,
+    *,
+    max_batch: int,
+    prefill_chunk: int,
+    warm_up: bool,
+) -> AsyncIterator[tuple[trio.SocketStream, LaunchedGroup]]:
+    """Launch the group and yield rank 0's connection and the group once rank 0 connected;
+    raises ``EngineProcessError`` if the group ends first. On exit the group is killed if it
+    still runs (the transport has asked rank 0 to end by then)."""
+    with tempfile.TemporaryDirectory(prefix="mlx-trio-ranks-") as folder:
+        path = str(Path(folder) / "engine.sock")
+        listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        await listener.bind(path)
+        listener.listen(1)
+        args_file = Path(folder) / "rank-args.pickle"
+        args = RankArgs(
+            build, group, path, max_batch, prefill_chunk, warm_up, logging.getLogger().level
+        )
+        args_file.write_bytes(pickle.dumps(args))
+        command = group.launch_command(sys.executable, str(args_file))
+        logger.info("launching the engine's ranks: %s", " ".join(command))
+        process = subprocess.Popen(command, start_new_session=True)
+        launched = LaunchedGroup(process)
+        try:
+            with listener:
+                sock = await _accept(listener, launched)
+            yield trio.SocketStream(sock), launched
+        finally:
+            if launched.is_alive():
+                launched.kill()
+                await trio.to_thread.run_sync(launched.join)
+
+
+async def _accept(listener: trio.socket.SocketType, group: LaunchedGroup) -> trio.socket.SocketType:
+    """Rank 0's connection; raises if the group exits before it connects."""
+    while True:
+        with trio.move_on_after(ACCEPT_POLL_S):
+            sock, _ = await listener.accept()
+            return sock
+        if not group.is_alive():
+            raise EngineProcessError(
+                f"the engine's ranks exited (code {group.exitcode}) before rank 0 connected"
+            )
