@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ FRAME = 512  # bytes of the first all_sum of a message: most calls fit
 _LENGTH = 8  # the frame's first bytes: the message's length
 AHEAD = "step_ahead"  # the message for a step run ahead of the next call
 STOP = "stop"  # rank 0's engine closed: the others end
+NOOP = "noop"  # nothing to run (a benchmark's message, to time the sends alone)
 
 
 class Lockstep:
@@ -101,6 +103,8 @@ def follow(core: Any, lockstep: Lockstep) -> None:
         if message == STOP:
             logger.info("rank 0 stopped; rank %d ends", lockstep.rank)
             return
+        if message == NOOP:
+            continue
         if message == AHEAD:
             core.step_ahead()
         else:
@@ -108,8 +112,8 @@ def follow(core: Any, lockstep: Lockstep) -> None:
 
 
 def shard(model: Any, group: mx.distributed.Group, kind: ParallelKind) -> None:
-    """Split ``model`` in place over ``group``'s ranks; raises ``UnsupportedModelError`` for a
-    model that cannot be split so."""
+    """Split ``model`` in place over ``group``'s ranks (lazily: what a rank drops is never
+    read); raises ``UnsupportedModelError`` for a model that cannot be split so."""
     size = group.size()
     args = getattr(model, "args", None)
     if kind == "tensor":
@@ -133,7 +137,6 @@ def shard(model: Any, group: mx.distributed.Group, kind: ParallelKind) -> None:
         PipelineLlamaModel.split(inner, group)
     else:
         raise UnsupportedModelError(f"unknown parallelism {kind!r}")
-    mx.eval(model.parameters())
 
 
 class PipelineLlamaModel(llama.LlamaModel):
@@ -186,13 +189,13 @@ class PipelineLlamaModel(llama.LlamaModel):
         return self.norm(h)
 
 
-def build_rank(build: Callable[[], Any], group: RankGroup) -> Any:
-    """On a rank: ``build``'s engine with its model split over the ranks and its lockstep
-    set (rank 0 sends, the others receive). Every rank seeds MLX's random state alike, so
-    that rows without a seed draw the same tokens everywhere."""
+def build_rank(build: Callable[..., Any], group: RankGroup) -> Any:
+    """On a rank: ``build``'s engine (``Engine.load``, given ``split``) with its model split
+    over the ranks as it loads, and its lockstep set (rank 0 sends, the others receive).
+    Every rank seeds MLX's random state alike, so that rows without a seed draw the same
+    tokens everywhere."""
     world = mx.distributed.init(strict=True, backend=group.backend)
-    engine = build()
-    shard(engine.model, world, group.parallel)
+    engine = build(split=partial(shard, group=world, kind=group.parallel))
     engine.lockstep = Lockstep(world)
     mx.random.seed(0)
     logger.info(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
@@ -205,10 +205,13 @@ class Engine:
         max_preparation_tokens: int | None = None,
         max_iteration_tokens: int | None = None,
         memory_limit: MemoryLimit | None = None,
+        split: Callable[[Any], None] | None = None,
     ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
-        budget is the device's (``default_budget``), with the two limits given overriding it."""
-        loaded = load_model(spec, device=device)  # type: ignore[arg-type]
+        budget is the device's (``default_budget``), with the two limits given overriding it.
+        ``split``: a rank keeps its part of the model, before its weights are read
+        (``loader.load_model``)."""
+        loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
         budget = default_budget(
             loaded.device, preparation=max_preparation_tokens, iteration=max_iteration_tokens
         )

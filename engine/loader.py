@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -54,9 +55,18 @@ class LoadedModel:
 
 
 def load_model(
-    spec: str | None, *, device: Device = "auto", progress: Progress | None = None
+    spec: str | None,
+    *,
+    device: Device = "auto",
+    progress: Progress | None = None,
+    split: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
     """Resolve ``spec`` (see ``resolve_model``) and load it onto ``device``.
+
+    ``split``: keeps this rank's part of the model (``distributed.shard``), applied before any
+    weight is read, so that a rank reads only the weights it keeps (a pipeline stage's layers;
+    a tensor shard's slices, a tensor at a time): a model larger than one machine's memory
+    loads over several.
 
     ``"cpu"`` and ``"gpu"`` set MLX's default device for the whole process; ``"auto"`` keeps
     the current one. Raises ModelNotFoundError or UnsupportedModelError as ``resolve_model``
@@ -66,7 +76,9 @@ def load_model(
     on_cpu = _select_device(device)
     resolved = resolve_model(spec, progress=progress)
     try:
-        model, config = mlx_lm_load_model(resolved.path, lazy=False)
+        model, config = mlx_lm_load_model(resolved.path, lazy=split is not None)
+        if split is not None:
+            split(model)
         tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         logger.warning("mlx-lm could not load %s: %s", resolved.model_id, exc)
@@ -80,6 +92,7 @@ def load_model(
         # Scales go to float32 first: dequantizing from float16 is about 4x slower on CPU.
         model.set_dtype(mx.float32)
         model = dequantize_model(model)
+    if on_cpu or split is not None:
         mx.eval(model.parameters())
     loaded = LoadedModel(
         model=model,

@@ -36,6 +36,8 @@ class RankGroup:
             # needs made steps several times slower (design/017).
             threads = max(1, (os.cpu_count() or 1) // self.size)
             hosts += ["--env", f"OPENBLAS_NUM_THREADS={threads}"]
-        launch = str(Path(python).parent / "mlx.launch")
+        launch = [str(Path(python).parent / "mlx.launch")]
+        if not Path(launch[0]).exists():  # MLX without its scripts (a --target install)
+            launch = [python, "-c", "from mlx._distributed_utils.launch import main; main()"]
         rank = [python, "-m", "mlx_trio.engine.rank", args_file]
-        return [launch, "--backend", self.backend, *hosts, "--", *rank]
+        return [*launch, "--backend", self.backend, *hosts, "--", *rank]
