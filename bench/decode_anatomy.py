@@ -2,7 +2,8 @@
 
 For each row count: the bare forward of the model (one token a row over mlx-lm's plain
 ``KVCache``, after a 16-token prompt), split into building its graph in Python and evaluating
-it; mlx-lm's ``BatchGenerator`` step (``next_generated``) on the same rows; and mlx-trio's batch
+it, and the same with four forwards built as one graph and evaluated once; mlx-lm's
+``BatchGenerator`` step (``next_generated``) on the same rows; and mlx-trio's batch
 engine step (``BatchEngine.step(1)``, the lean step). Greedy, warmed up, then the median of
 ``--steps`` steps. Usage::
 
@@ -52,6 +53,24 @@ def forward(engine: Engine, rows: int, steps: int) -> tuple[float, float]:
     return statistics.median(build[3:]) * 1e3, statistics.median(run[3:]) * 1e3
 
 
+def chained(engine: Engine, rows: int, steps: int, chain: int) -> float:
+    """Median ms a step when ``chain`` greedy steps are built as one graph and evaluated once
+    (the issue's "several steps per evaluation")."""
+    model = engine.model
+    cache = make_prompt_cache(model)
+    tokens = mx.array(prompts(engine, rows))
+    mx.eval(model(tokens, cache=cache))
+    step = tokens[:, -1:]
+    times = []
+    for _ in range(steps // chain + 2):
+        start = time.perf_counter()
+        for _ in range(chain):
+            step = mx.argmax(model(step, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+        mx.eval(step)
+        times.append((time.perf_counter() - start) / chain)
+    return statistics.median(times[2:]) * 1e3
+
+
 def generator_step(engine: Engine, rows: int, steps: int) -> float:
     """Median ms of a ``BatchGenerator`` step once every row decodes."""
     generator = BatchGenerator(engine.model, completion_batch_size=rows, prefill_batch_size=rows)
@@ -88,16 +107,17 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine.load(args.model)
     print(
-        "| rows | forward: build ms | forward: eval ms | BatchGenerator step ms | "
-        "mlx-trio step ms | step / forward |"
+        "| rows | forward: build ms | forward: eval ms | 4 forwards an eval, ms each | "
+        "BatchGenerator step ms | mlx-trio step ms | step / forward |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rows in (int(r) for r in args.rows.split(",")):
         build, run = forward(engine, rows, args.steps)
+        four = chained(engine, rows, args.steps, 4)
         generator = generator_step(engine, rows, args.steps)
         ours = engine_step(engine, rows, args.steps)
         print(
-            f"| {rows} | {build:.2f} | {run:.2f} | {generator:.2f} | {ours:.2f} | "
+            f"| {rows} | {build:.2f} | {run:.2f} | {four:.2f} | {generator:.2f} | {ours:.2f} | "
             f"{generator / (build + run):.1f}x / {ours / (build + run):.1f}x |",
             flush=True,
         )
