@@ -132,7 +132,7 @@ class Api:
                 exc.param = "prompt"  # the engine names a chat's field, "messages"
             if isinstance(exc, InvalidRequestError) and exc.param == "grammar":
                 # what the engine calls a chat's response_format, or its forced tool call
-                forced = isinstance(body, ChatCompletionRequest) and body.choice().forces_call
+                forced = isinstance(body, ChatCompletionRequest) and body.choice.forces_call
                 exc.param = "tools" if forced else "response_format"
             sent_as = getattr(body, "max_completion_tokens", None)
             if isinstance(exc, MemoryBudgetExceededError) and sent_as is not None:
@@ -229,7 +229,7 @@ def splitters(
     syntax = rt.reply_syntax()
     if not isinstance(body, ChatCompletionRequest) or not (syntax.think or body.tools):
         return [None] * len(handles)
-    tools, choice = body.offered_tools(), body.choice()
+    tools, choice = body.offered_tools, body.choice
     return [syntax.splitter(h.prompt_tokens, tools, choice) for h in handles]
 
 

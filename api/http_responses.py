@@ -249,16 +249,12 @@ class EventStream:
         pieces: list[Piece],
     ) -> None:
         """A chunk for each piece of a split reply; the logprobs held go with the first."""
-        splitter = self.ex.splitters[index]
-        assert splitter is not None
-        calls = len(splitter.calls) - sum(isinstance(p, Called) for p in pieces)
         for piece in pieces:
             match piece:
                 case Content(text=text):
                     await write(chunk(index, text=text, logprobs=self._logprobs(index)))
                 case Reasoning(text=text):
                     await write(chunk(index, reasoning=text, logprobs=self._logprobs(index)))
-                case Called(call=call):
+                case Called(call=call, index=number):
                     logprobs = self._logprobs(index)
-                    await write(chunk(index, tool_call=(calls, call), logprobs=logprobs))
-                    calls += 1
+                    await write(chunk(index, tool_call=(number, call), logprobs=logprobs))

@@ -11,6 +11,7 @@ logged once per name.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
@@ -220,8 +221,8 @@ class ChatCompletionRequest(_Request):
             raise InvalidRequestError(
                 "modalities: this server generates text only", param="modalities"
             )
-        check_choice(self.offered_tools(), self.choice())
-        forced = self.choice().forces_call
+        check_choice(self.offered_tools, self.choice)
+        forced = self.choice.forces_call
         if forced and self.response_format is not None and self.response_format.type != "text":
             raise InvalidRequestError(
                 "a forced tool call (tool_choice required or a function) and a response_format "
@@ -229,9 +230,13 @@ class ChatCompletionRequest(_Request):
                 param="tool_choice",
             )
 
+    # The tools, the choice and the grammar are read by every choice's params and by the
+    # reply splitters: made once a request.
+    @functools.cached_property
     def offered_tools(self) -> tuple[Tool, ...]:
         return tuple(spec.tool() for spec in self.tools or ())
 
+    @functools.cached_property
     def choice(self) -> ToolChoice:
         """``tool_choice`` as sent, else OpenAI's default: ``auto`` with tools, else ``none``."""
         match self.tool_choice:
@@ -245,18 +250,19 @@ class ChatCompletionRequest(_Request):
     def chat(self) -> Chat:
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        tools = self.offered_tools() if self.choice().mode != "none" else ()
+        tools = self.offered_tools if self.choice.mode != "none" else ()
         return Chat(
             tuple(m.chat_message() for m in self.messages),
             tools,
             self.chat_template_kwargs or {},
         )
 
+    @functools.cached_property
     def grammar(self) -> Grammar | None:
         """What the reply is held to: a forced tool call's grammar, or ``response_format``'s."""
-        choice = self.choice()
+        choice = self.choice
         if choice.forces_call:
-            return call_grammar(self.offered_tools(), choice, parallel=self.parallel_tool_calls)
+            return call_grammar(self.offered_tools, choice, parallel=self.parallel_tool_calls)
         return None if self.response_format is None else self.response_format.grammar()
 
     def params(
@@ -278,7 +284,7 @@ class ChatCompletionRequest(_Request):
             seed_offset=seed_offset,
             sent_as=sent_as,
             defaults=defaults,
-            grammar=self.grammar(),
+            grammar=self.grammar,
         )
 
 

@@ -192,9 +192,7 @@ def answer(core: EngineCore, call: EngineCall) -> Reply[Any]:
     """Run one call on ``core``: its reply, an exception it raised included; then let the core
     tidy its memory (``EngineCore.tidy``). An engine over several ranks first sends the call
     to the others (``engine/distributed.py``), which run it too."""
-    lockstep = core.engine.lockstep
-    if lockstep is not None and lockstep.is_leader:
-        lockstep.send(call)
+    core.lead(call)
     try:
         value = apply(core, call)
     except Exception as exc:

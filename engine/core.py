@@ -177,9 +177,7 @@ class EngineCore:
         batch = self._batch
         if batch is None or not batch.may_step_ahead():
             return False
-        lockstep = self.engine.lockstep
-        if lockstep is not None and lockstep.is_leader:  # the other ranks step ahead too
-            lockstep.send(AHEAD)
+        self.lead(AHEAD)  # the other ranks step ahead too
         if self._threads is None:
             return batch.step_ahead()
         self._threads.begin(batch.shape())
@@ -246,9 +244,14 @@ class EngineCore:
             self._batch = None
         if self._threads is not None:
             self._threads.close()
+        self.lead(STOP)
+
+    def lead(self, message: object) -> None:
+        """Over several ranks, on rank 0: send ``message`` (a call, ``AHEAD`` or ``STOP``) to
+        the other ranks, which do the same (``engine/distributed.py``); else nothing."""
         lockstep = self.engine.lockstep
         if lockstep is not None and lockstep.is_leader:
-            lockstep.send(STOP)
+            lockstep.send(message)
 
 
 def plan_memory(

@@ -32,9 +32,6 @@ from .params import PreparedRequest, SamplingParams
 from .prompt import Prompt, check_fits, encode_prompt
 from .prompt_cache import PromptCache, default_budget_bytes
 from .reply import ReplySyntax
-
-if TYPE_CHECKING:
-    from .distributed import Lockstep
 from .row import RowDecoder
 from .sampling import (
     make_row_processors,
@@ -46,6 +43,9 @@ from .sampling import (
 from .sampling_defaults import SamplingDefaults
 from .schedule import TokenBudget, default_budget
 from .text import byte_level_table
+
+if TYPE_CHECKING:
+    from .distributed import Lockstep
 
 logger = logging.getLogger(__name__)
 

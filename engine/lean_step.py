@@ -51,25 +51,26 @@ class LeanGenerationBatch(GenerationBatch):
         logits = self.model(inputs[:, None], cache=self.prompt_cache)
         logits = logits[:, -1, :]
 
-        # Ours: the rows held to grammars get their masks together, while the forward runs.
-        masks = BatchMasks(self.logits_processors)
+        # Ours: the rows held to grammars get their masks together, while the forward runs;
+        # the rows left to process one by one are those with other processors (penalties,
+        # logit bias): with none, no row is sliced out.
+        per_row = self.logits_processors
         bitmask = None
-        if masks.rows:
-            mx.async_eval(logits)
-            bitmask = masks.fill(inputs.tolist())
+        if any(per_row):
+            masks = BatchMasks(per_row)
+            if masks.rows:
+                mx.async_eval(logits)
+                bitmask = masks.fill(inputs.tolist())
+                per_row = [
+                    [p for p in ps or () if not isinstance(p, GrammarProcessor)] for ps in per_row
+                ]
 
         token_context = []
-        # Ours: with the grammars masked below, the rows left to process one by one are those
-        # with other processors (penalties, logit bias): with none, no row is sliced out.
-        per_row = [
-            [p for p in ps or () if bitmask is None or not isinstance(p, GrammarProcessor)]
-            for ps in self.logits_processors
-        ]
         if any(per_row):
             processed_logits = []
             for e in range(len(self.uids)):
                 sample_logits = logits[e : e + 1]
-                processors = per_row[e]
+                processors = per_row[e] or ()
                 if processors:
                     context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
                     token_context.append(context)

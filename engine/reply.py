@@ -37,6 +37,7 @@ class Reasoning:
 @dataclass(frozen=True, slots=True)
 class Called:
     call: ToolCall
+    index: int  # among the reply's calls, from 0 (OpenAI's ``tool_calls[].index``)
 
 
 Piece = Content | Reasoning | Called
@@ -219,8 +220,9 @@ class ReplySplitter:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.info("a tool call did not parse (%s); kept as content", exc)
             return [Content(self._gap + markers[0] + text + markers[1])]
+        first = len(self.calls)
         self.calls.extend(calls)
-        return [Called(c) for c in calls]
+        return [Called(c, first + i) for i, c in enumerate(calls)]
 
 
 def _tool_call(parsed: Any) -> ToolCall:
