@@ -44,6 +44,7 @@ def main() -> None:
     from mlx_lm.generate import stream_generate
 
     engine = Engine.load(args.model)
+    raw = Engine.load(args.model, fuse=False)  # mlx-lm's own model (ours may fuse projections)
     print(f"model {engine.model_id} ({engine.loaded.dtype} on {engine.loaded.device})", flush=True)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     request = engine.prepare([{"role": "user", "content": PROMPT}], params)
@@ -53,7 +54,7 @@ def main() -> None:
         return decode_rate(engine.generate(request), lambda d: len(d.token_ids) or 1)
 
     def mlx_lm() -> tuple[float, int]:
-        stream = stream_generate(engine.model, engine.tokenizer, prompt, max_tokens=args.max_tokens)
+        stream = stream_generate(raw.model, raw.tokenizer, prompt, max_tokens=args.max_tokens)
         return decode_rate(stream, lambda _: 1)
 
     ours()

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import fused
 from .budget import MemoryLimit
 from .errors import InvalidRequestError
 from .grammar import check_grammar
@@ -206,12 +207,16 @@ class Engine:
         max_iteration_tokens: int | None = None,
         memory_limit: MemoryLimit | None = None,
         split: Callable[[Any], None] | None = None,
+        fuse: bool | None = None,
     ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
         budget is the device's (``default_budget``), with the two limits given overriding it.
         ``split``: a rank keeps its part of the model, before its weights are read
-        (``loader.load_model``)."""
+        (``loader.load_model``). ``fuse``: one matmul for the projections that read the same
+        input (``engine/fused.py``; None: its default, on a GPU; never for a rank's part)."""
         loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
+        if split is None and fused.wanted(loaded.device, given=fuse):
+            fused.fuse_projections(loaded.model)
         budget = default_budget(
             loaded.device, preparation=max_preparation_tokens, iteration=max_iteration_tokens
         )

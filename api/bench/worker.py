@@ -245,7 +245,7 @@ async def main_async(system: str, answers: TextIO, model: str | None = None) -> 
     bursts = [streams(WARMUP_CLIENTS, b * WARMUP_CLIENTS) for b in range(WARMUP_BURSTS)]
     warmups = [{"op": "run", "streams": [s.to_json() for s in burst]} for burst in bursts]
     if system != "mlx-trio":
-        engine = Engine.load(model)
+        engine = Engine.load(model, fuse=False)  # mlx-lm's own model, as its users run it
         own = _blas.own_threads()
         if own is not None and "OPENBLAS_NUM_THREADS" not in os.environ:
             _blas.set_threads(own)  # mlx-lm's count with OpenBLAS loaded, as mlx_lm.server's
