@@ -109,7 +109,7 @@ def main() -> None:
     ours_engine = Engine.load(args.model)  # as the server loads it (fused projections on a GPU)
     print(
         "| rows | forward: build ms | forward: eval ms | 4 forwards an eval, ms each | "
-        "BatchGenerator step ms | mlx-trio step ms | step / forward |"
+        "BatchGenerator step ms | mlx-trio step ms (fused on a GPU) | step / forward |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rows in (int(r) for r in args.rows.split(",")):

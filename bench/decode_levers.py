@@ -140,9 +140,12 @@ def main() -> None:
                 print(f"| {rows} | {name} | {b:.1f} | {e:.1f} | {w:.1f} |", flush=True)
     engine = Engine.load(args.model, fuse=False)
     fused = Engine.load(args.model, fuse=True)
-    eager = FixedDecoder(engine.model, compiled=False)
-    compiled = FixedDecoder(engine.model)
-    skinny = FixedDecoder(engine.model, matmul=cuda_skinny.matmul)
+    # The fixed steps' own copy of the model (FixedDecoder rebinds its projections to views of
+    # their concatenation), so that "mlx-lm" runs on the model as loaded.
+    model = Engine.load(args.model, fuse=False).model
+    eager = FixedDecoder(model, compiled=False)
+    compiled = FixedDecoder(model)
+    skinny = FixedDecoder(model, matmul=cuda_skinny.matmul)
     print("| rows | step | build ms | encode ms | wait ms | total ms | tok/s |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for rows in rows_list:

@@ -13,8 +13,10 @@ concatenation and Python integers for positions. This step is shaped to let MLX 
 What it showed on an H200 (``bench/decode_levers.py``, design/021): compiling takes the Python
 graph building from 1.4 to 0.6-0.8 ms a step, but MLX still encodes every kernel of the
 replayed graph each step, and the per-row mask sends attention to MLX's unfused path (the
-vector kernel takes no array mask), so the compiled step is 0.8-1.0x mlx-lm's at 8-64 rows and
-slower at 256. The fused projections were the part worth keeping: ``engine/fused.py``.
+vector kernel takes no array mask), so the compiled step takes 0.79-0.81x mlx-lm's time at
+8-64 rows, 1.0x at 256 and 1.04x at 1 row. The fused projections were the part worth
+keeping: ``engine/fused.py``.
+
 It works on the model's own modules (norms, RoPE, embedding, head), so weights and numerics
 stay mlx-lm's (greedy tokens equal: tests/test_decode_levers.py).
 """
@@ -54,7 +56,7 @@ def _fuse(linears: list[nn.Linear]) -> tuple[mx.array, mx.array | None, list[int
     weight = mx.concatenate([m.weight for m in linears], axis=0)
     biases = ["bias" in m for m in linears]
     bias = mx.concatenate([m.bias for m in linears]) if all(biases) else None
-    mx.eval(weight, bias) if bias is not None else mx.eval(weight)
+    mx.eval(weight, *([] if bias is None else [bias]))
     sizes, start = [], 0
     for m in linears:
         rows = m.weight.shape[0]

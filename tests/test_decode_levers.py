@@ -8,8 +8,10 @@ import mlx.core as mx
 import pytest
 
 from bench.fixed_decode import FixedDecoder, supports
-from tests.test_fused import PROMPTS, VOCAB, greedy
-from tests.tiny import make_model
+from tests.tiny import TOKEN_PROMPTS as PROMPTS
+from tests.tiny import greedy, make_model
+
+VOCAB = 300
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -12,36 +12,23 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_trio.engine import fused
 from mlx_trio.engine.batch import BatchEngine
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import SamplingParams
-from tests.tiny import make_model
+from tests.tiny import TOKEN_PROMPTS, greedy, make_model
 
 VOCAB = 300
 
 
-def greedy(model: nn.Module, prompts: list[list[int]], steps: int) -> tuple[mx.array, mx.array]:
-    """Greedy tokens (rows, steps + 1) over mlx-lm's cache, and the prompt's last logits."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(prompts), cache=cache)[:, -1, :]
-    tokens = [mx.argmax(logits, axis=-1)]
-    for _ in range(steps):
-        tokens.append(mx.argmax(model(tokens[-1][:, None], cache=cache)[:, -1, :], axis=-1))
-    return mx.stack(tokens, axis=1), logits
-
-
-PROMPTS = [[5, 9, 23, 41, 7, 2], [100, 3, 3, 8, 250, 17], [1, 2, 3, 4, 5, 6]]
-
-
-def test_fused_model_gives_mlx_lm_tokens_and_logits() -> None:
-    plain, model = make_model(VOCAB), make_model(VOCAB)
+@pytest.mark.parametrize("bias", [False, True], ids=["no biases", "biases"])
+def test_fused_model_gives_mlx_lm_tokens_and_logits(bias: bool) -> None:
+    plain, model = make_model(VOCAB, bias=bias), make_model(VOCAB, bias=bias)
     assert fused.fuse_projections(model) == 2
-    want_tokens, want_logits = greedy(plain, PROMPTS, 12)
-    tokens, logits = greedy(model, PROMPTS, 12)
+    want_tokens, want_logits = greedy(plain, TOKEN_PROMPTS, 12)
+    tokens, logits = greedy(model, TOKEN_PROMPTS, 12)
     assert tokens.tolist() == want_tokens.tolist()
     assert mx.allclose(logits, want_logits, atol=1e-5).item()
     attn = model.model.layers[0].self_attn
@@ -50,27 +37,54 @@ def test_fused_model_gives_mlx_lm_tokens_and_logits() -> None:
     assert attn.q_proj._group._input is None
 
 
-def test_fused_model_keeps_its_parameters_and_memory() -> None:
+def test_fused_model_keeps_its_parameters_as_views() -> None:
     plain, model = make_model(VOCAB), make_model(VOCAB)
     fused.fuse_projections(model)
     before = {k: v.shape for k, v in tree_flatten(plain.parameters())}
     after = {k: v.shape for k, v in tree_flatten(model.parameters())}
     assert after == before
-    attn = model.model.layers[1].self_attn
-    # The modules' weights are views of the one concatenation, not copies of it.
+    attn, plain_attn = model.model.layers[1].self_attn, plain.model.layers[1].self_attn
     group = attn.k_proj._group
     assert group.weight.shape[0] == sum(
         m.weight.shape[0] for m in (attn.q_proj, attn.k_proj, attn.v_proj)
     )
-    assert mx.array_equal(attn.k_proj.weight, plain.model.layers[1].self_attn.k_proj.weight)
+    assert mx.array_equal(attn.k_proj.weight, plain_attn.k_proj.weight)
 
 
-def test_a_quantized_model_is_left_as_it_is() -> None:
+def test_a_projection_called_alone_or_twice_gives_its_own_output() -> None:
+    plain, model = make_model(VOCAB, bias=True), make_model(VOCAB, bias=True)
+    fused.fuse_projections(model)
+    attn, plain_attn = model.model.layers[0].self_attn, plain.model.layers[0].self_attn
+    x = mx.random.normal((2, 3, 64))
+    assert mx.allclose(attn.v_proj(x), plain_attn.v_proj(x), atol=1e-5).item()
+    assert mx.allclose(attn.v_proj(x), plain_attn.v_proj(x), atol=1e-5).item()
+    assert mx.allclose(attn.q_proj(x), plain_attn.q_proj(x), atol=1e-5).item()
+
+
+def test_weights_replaced_after_fusing_are_the_ones_used() -> None:
+    """``update`` (or loading weights, or a dtype change) after fusing: the modules compute
+    with the new weights, on their own."""
+    plain, model = make_model(VOCAB), make_model(VOCAB)
+    fused.fuse_projections(model)
+    other = make_model(VOCAB, seed=1)
+    model.update(other.parameters())
+    plain.update(other.parameters())
+    want, _ = greedy(plain, TOKEN_PROMPTS, 6)
+    got, _ = greedy(model, TOKEN_PROMPTS, 6)
+    assert got.tolist() == want.tolist()
+    assert got.tolist() != greedy(make_model(VOCAB), TOKEN_PROMPTS, 6)[0].tolist()
+
+
+def test_a_quantized_model_or_another_model_type_is_left_as_it_is() -> None:
     model = make_model(VOCAB)
     nn.quantize(model, group_size=32, bits=8)
     assert fused.fuse_projections(model) == 0
-    tokens, _ = greedy(model, PROMPTS[:1], 3)
+    tokens, _ = greedy(model, TOKEN_PROMPTS[:1], 3)
     assert tokens.shape == (1, 4)
+    other = make_model(VOCAB)
+    other.model_type = "some_new_model"
+    assert fused.fuse_projections(other) == 0
+    assert type(other.model.layers[0].self_attn.q_proj) is nn.Linear
 
 
 def test_the_default_is_on_for_a_gpu_and_the_environment_overrides_it(

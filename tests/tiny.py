@@ -7,7 +7,9 @@ the tests' own is the size, the few merges and the chat template.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_trio.engine.errors import UnsupportedModelError
@@ -34,8 +36,12 @@ def make_tokenizer() -> TokenizerWrapper:
     )
 
 
-def make_model(vocab_size: int, *, seed: int = 0) -> llama.Model:
+def make_model(vocab_size: int, *, seed: int = 0, bias: bool = False) -> llama.Model:
+    """``bias``: the attention and MLP projections have biases (as Qwen2's query, key and
+    value projections do)."""
     args = llama.ModelArgs(
+        attention_bias=bias,
+        mlp_bias=bias,
         model_type="llama",
         hidden_size=64,
         num_hidden_layers=2,
@@ -82,3 +88,18 @@ def make_preparer() -> RequestPreparer:
 def build_nothing() -> Engine:
     """An engine process's ``build`` that fails as a model that cannot load does."""
     raise UnsupportedModelError("model type 'nothing' is not supported by mlx-lm")
+
+
+# Token prompts for the model-level tests (a vocabulary of at least 300).
+TOKEN_PROMPTS = [[5, 9, 23, 41, 7, 2], [100, 3, 3, 8, 250, 17], [1, 2, 3, 4, 5, 6]]
+
+
+def greedy(model: nn.Module, prompts: list[list[int]], steps: int) -> tuple[mx.array, mx.array]:
+    """Greedy tokens (rows, steps + 1) of ``model`` over mlx-lm's cache, and the logits after
+    the prompts."""
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompts), cache=cache)[:, -1, :]
+    tokens = [mx.argmax(logits, axis=-1)]
+    for _ in range(steps):
+        tokens.append(mx.argmax(model(tokens[-1][:, None], cache=cache)[:, -1, :], axis=-1))
+    return mx.stack(tokens, axis=1), logits
