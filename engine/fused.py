@@ -18,11 +18,11 @@ each, bare and batched); on CPU tests/test_fused.py compares tokens and logits. 
 layers, groups with a bias on some projections only, and model types not in
 :data:`MODEL_TYPES` are left as they are.
 
-:func:`wanted` is the engine's policy: on by default on a GPU (on an H200, the 1B shape's bare step
-took 0.85-0.94x the time at 1 to 256 rows, mlx-trio's batch step 0.79-0.96x at 8 to 256;
-design/021), off on the CPU, where a step is the
-arithmetic and stays as it was; ``MLX_TRIO_FUSE_PROJECTIONS=on|off`` overrides it. A rank of
-a sharded model keeps its own layout (its projections are split across ranks).
+:func:`wanted` is the engine's policy: on by default on a GPU (on an H200, the 1B shape's
+bare step took 0.85-0.94x the time at 1 to 256 rows, mlx-trio's batch step 0.79-0.96x at 8
+to 256; design/021), off on the CPU, where a step is the arithmetic and stays as it was;
+``MLX_TRIO_FUSE_PROJECTIONS=on|off`` overrides it. A rank of a sharded model keeps its own
+layout (its projections are split across ranks).
 """
 
 from __future__ import annotations
