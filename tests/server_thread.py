@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import httpx
+import pytest
 import trio
 
 from mlx_trio.actors.config import RuntimeConfig
@@ -85,3 +87,18 @@ def scripted_server(runtime: RuntimeConfig, http: HttpSettings) -> ServerThread:
 def model_id(server: ServerThread) -> str:
     """The model id a running server serves (its ``GET /v1/models``)."""
     return httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Seconds until ``condition`` held; fails the test after ``timeout_s``."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def health(url: str) -> int:
+    """The status code of a server's ``/health``."""
+    return httpx.get(f"{url}/health", timeout=5).status_code

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -28,7 +27,7 @@ from mlx_trio.api import (
 )
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.rank_group import RankGroup
-from tests.server_thread import ServerThread
+from tests.server_thread import ServerThread, health, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -147,18 +146,6 @@ def rank_pids(rank: int) -> list[int]:
         if b"mlx_trio.engine.rank" in command and f"MLX_RANK={rank}".encode() in environ:
             found.append(int(proc.name))
     return found
-
-
-def health(url: str) -> int:
-    return httpx.get(f"{url}/health", timeout=5).status_code
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, what
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def test_a_rank_killed_mid_request_fails_it_and_the_group_restarts():

@@ -37,7 +37,7 @@ from mlx_trio.engine.calls import Call, EngineStarted, EngineState, Reply
 from mlx_trio.engine.errors import EngineUnavailableError
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.sampling_defaults import NO_DEFAULTS
-from tests.server_thread import ServerThread
+from tests.server_thread import ServerThread, health, wait_for
 
 
 class FakeTransport:
@@ -228,20 +228,6 @@ async def test_requests_waiting_for_the_engine_wait_for_the_restarted_one(
 # -- the real engine process -------------------------------------------------------------
 
 PROMPT = "Count from 1 to 300, one number a line."
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Seconds until ``condition`` held; fails the test after ``timeout_s``."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"{what} did not happen within {timeout_s} s")
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
-def health(url: str) -> int:
-    return httpx.get(f"{url}/health", timeout=5).status_code
 
 
 @pytest.mark.e2e
