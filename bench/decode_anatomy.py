@@ -30,7 +30,8 @@ from mlx_trio.engine.params import PreparedRequest, SamplingParams
 PROMPT = 16
 
 
-def prompts(engine: Engine, rows: int) -> list[list[int]]:
+def prompts(rows: int) -> list[list[int]]:
+    """``rows`` distinct prompts of ``PROMPT`` token ids."""
     return [[(7 + r * 31 + i * 13) % 1000 + 10 for i in range(PROMPT)] for r in range(rows)]
 
 
@@ -38,7 +39,7 @@ def forward(engine: Engine, rows: int, steps: int) -> tuple[float, float]:
     """Median ms to build a forward's graph and to evaluate it."""
     model = engine.model
     cache = make_prompt_cache(model)
-    tokens = mx.array(prompts(engine, rows))
+    tokens = mx.array(prompts(rows))
     mx.eval(model(tokens, cache=cache))
     step = tokens[:, -1:]
     build, run = [], []
@@ -58,7 +59,7 @@ def chained(engine: Engine, rows: int, steps: int, chain: int) -> float:
     (the issue's "several steps per evaluation")."""
     model = engine.model
     cache = make_prompt_cache(model)
-    tokens = mx.array(prompts(engine, rows))
+    tokens = mx.array(prompts(rows))
     mx.eval(model(tokens, cache=cache))
     step = tokens[:, -1:]
     times = []
@@ -74,7 +75,7 @@ def chained(engine: Engine, rows: int, steps: int, chain: int) -> float:
 def generator_step(engine: Engine, rows: int, steps: int) -> float:
     """Median ms of a ``BatchGenerator`` step once every row decodes."""
     generator = BatchGenerator(engine.model, completion_batch_size=rows, prefill_batch_size=rows)
-    generator.insert(prompts(engine, rows), max_tokens=[steps + 40] * rows)
+    generator.insert(prompts(rows), max_tokens=[steps + 40] * rows)
     times = []
     for _ in range(steps + 8):
         start = time.perf_counter()
@@ -88,7 +89,7 @@ def engine_step(engine: Engine, rows: int, steps: int) -> float:
     """Median ms of mlx-trio's batch step once every row decodes."""
     batch = BatchEngine(engine, max_batch=rows)
     params = SamplingParams(temperature=0, max_tokens=steps + 40)
-    for p in prompts(engine, rows):
+    for p in prompts(rows):
         batch.add(PreparedRequest(tuple(p), params))
     times = []
     for _ in range(steps + 8):

@@ -39,10 +39,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_trio.engine.generate import Engine
 
 from . import cuda_skinny
-from .decode_anatomy import engine_step, generator_step
+from .decode_anatomy import PROMPT, engine_step, generator_step, prompts
 from .fixed_decode import FixedDecoder
 
-PROMPT = 16
 CAPACITY = 64
 
 
@@ -61,15 +60,9 @@ def timed(step: Callable[[], mx.array], steps: int, per_eval: int = 1) -> tuple[
     return tuple(statistics.median(s[i] for s in split[3:]) * 1e3 / per_eval for i in range(3))
 
 
-def prompts(rows: int) -> mx.array:
-    return mx.array(
-        [[(7 + r * 31 + i * 13) % 1000 + 10 for i in range(PROMPT)] for r in range(rows)]
-    )
-
-
 def mlx_lm_step(engine: Engine, rows: int) -> Callable[[], mx.array]:
     cache = make_prompt_cache(engine.model)
-    tokens = prompts(rows)
+    tokens = mx.array(prompts(rows))
     state = [mx.argmax(engine.model(tokens, cache=cache)[:, -1, :], axis=-1)]
 
     def step() -> mx.array:
@@ -84,7 +77,7 @@ def mlx_lm_step(engine: Engine, rows: int) -> Callable[[], mx.array]:
 
 def fixed_step(decoder: FixedDecoder, rows: int, chain: int = 1) -> Callable[[], mx.array]:
     keys, values = decoder.cache(rows, CAPACITY)
-    state = {"tokens": prompts(rows)[:, -1], "keys": keys, "values": values}
+    state = {"tokens": mx.array(prompts(rows))[:, -1], "keys": keys, "values": values}
     position = mx.full((rows,), PROMPT, mx.int32)
 
     def step() -> mx.array:

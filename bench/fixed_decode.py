@@ -4,7 +4,7 @@ mlx-lm's forward builds its graph anew every step, with a KV cache that grows by
 concatenation and Python integers for positions. This step is shaped to let MLX reuse work:
 
 - the query, key and value projections are one matmul, and the MLP's gate and up projections
-  another (weights concatenated once; mlx-lm's modules keep views of the same memory);
+  another (``engine/fused.py``'s groups: weights concatenated once);
 - the KV cache is preallocated per row (``capacity`` positions) and written in place at each
   row's position, so shapes do not change from step to step and rows need no left padding;
 - positions are an input array (RoPE and the mask read them), so ``mx.compile`` traces the step
@@ -29,6 +29,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_trio.engine.fused import FusedLinear, fuse_projections
+
 Step = Callable[..., tuple[mx.array, list[mx.array], list[mx.array]]]
 MatMul = Callable[[mx.array, mx.array], mx.array]
 
@@ -46,26 +48,9 @@ def supports(model: nn.Module) -> bool:
     if any(getattr(layer, "use_sliding", False) for layer in layers):
         return False
     attn, mlp = layers[0].self_attn, layers[0].mlp
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-    linears += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    return all(type(m) is nn.Linear for m in linears)
-
-
-def _fuse(linears: list[nn.Linear]) -> tuple[mx.array, mx.array | None, list[int]]:
-    """Concatenate the linears' weights (and biases); rebind each module to a view of its rows."""
-    weight = mx.concatenate([m.weight for m in linears], axis=0)
-    biases = ["bias" in m for m in linears]
-    bias = mx.concatenate([m.bias for m in linears]) if all(biases) else None
-    mx.eval(weight, *([] if bias is None else [bias]))
-    sizes, start = [], 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = weight[start : start + rows]
-        if bias is not None:
-            m.bias = bias[start : start + rows]
-        sizes.append(start + rows)
-        start += rows
-    return weight, bias, sizes[:-1]
+    fusable = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    plain = all(type(m) in (nn.Linear, FusedLinear) for m in fusable)
+    return plain and all(type(m) is nn.Linear for m in (attn.o_proj, mlp.down_proj))
 
 
 class FixedDecoder:
@@ -82,12 +67,8 @@ class FixedDecoder:
         self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
         self.head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
         self.matmul = matmul or _matmul
-        self.fused = []
-        for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
-            gate_up = _fuse([m.gate_proj, m.up_proj])
-            self.fused.append((qkv, gate_up))
+        fuse_projections(model)  # the engine's own (a model fused already is left as it is)
+        self.fused = [(layer.self_attn.q_proj.group, layer.mlp.gate_proj.group) for layer in layers]
         self.step: Step = mx.compile(self._step) if compiled else self._step
 
     def cache(self, rows: int, capacity: int) -> tuple[list[mx.array], list[mx.array]]:
@@ -110,13 +91,13 @@ class FixedDecoder:
         mask = visible[:, None, None, :]
         where = positions.reshape(rows, 1, 1, 1)
         new_keys, new_values = [], []
-        for layer, ((w_qkv, b_qkv, qkv_at), (w_gu, b_gu, gu_at)), k_cache, v_cache in zip(
+        for layer, (qkv_group, gu_group), k_cache, v_cache in zip(
             inner.layers, self.fused, keys, values, strict=True
         ):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            qkv = self._linear(x, w_qkv, b_qkv)
-            q, k, v = mx.split(qkv, qkv_at, axis=-1)
+            qkv = self._linear(x, qkv_group.weight, qkv_group.bias)
+            q, k, v = mx.split(qkv, qkv_group.at, axis=-1)
             q = q.reshape(rows, 1, self.heads, -1).transpose(0, 2, 1, 3)
             k = k.reshape(rows, 1, self.kv_heads, -1).transpose(0, 2, 1, 3)
             v = v.reshape(rows, 1, self.kv_heads, -1).transpose(0, 2, 1, 3)
@@ -131,8 +112,8 @@ class FixedDecoder:
             )
             h = h + self._linear(out.transpose(0, 2, 1, 3).reshape(rows, 1, -1), attn.o_proj)
             x = layer.post_attention_layernorm(h)
-            gu = self._linear(x, w_gu, b_gu)
-            gate, up = mx.split(gu, gu_at, axis=-1)
+            gu = self._linear(x, gu_group.weight, gu_group.bias)
+            gate, up = mx.split(gu, gu_group.at, axis=-1)
             h = h + self._linear(nn.silu(gate) * up, layer.mlp.down_proj)
         h = inner.norm(h)
         logits = self._head(h)

@@ -48,27 +48,27 @@ MODEL_TYPES = frozenset(
 )
 
 
-class _Group:
-    """A group's concatenated weight (and bias), the views its modules hold, and its last
-    input and outputs (held until each part was handed out)."""
+class Group:
+    """A group's concatenated weight (and bias), where its output splits into the modules'
+    parts (``at``), the views its modules hold, and its last input and outputs (held until
+    each part was handed out)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
-        self.modules = linears
         self.weight = mx.concatenate([m.weight for m in linears], axis=0)
         biased = all("bias" in m for m in linears)
         self.bias = mx.concatenate([m.bias for m in linears]) if biased else None
         mx.eval(self.weight, *([] if self.bias is None else [self.bias]))
-        self.splits: list[int] = []
+        self.at: list[int] = []
         start = 0
         for m in linears:
+            if start:
+                self.at.append(start)
             rows = m.weight.shape[0]
             m.weight = self.weight[start : start + rows]
             if self.bias is not None:
                 m.bias = self.bias[start : start + rows]
             start += rows
-            self.splits.append(start)
         self.views = [(m, m["weight"], m.get("bias")) for m in linears]
-        self._at = self.splits[:-1]
         self._input: mx.array | None = None
         self._parts: list[mx.array | None] = []
         self._left = 0  # parts of the last input not yet handed out
@@ -95,7 +95,7 @@ class _Group:
         if not self.current():
             return None
         y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
-        parts: list[mx.array | None] = list(mx.split(y, self._at, axis=-1))
+        parts: list[mx.array | None] = list(mx.split(y, self.at, axis=-1))
         out, parts[index] = parts[index], None
         self._input, self._parts, self._left = x, parts, len(parts) - 1
         return out
@@ -105,11 +105,11 @@ class FusedLinear(nn.Linear):
     """A projection of a fused group: its part of the group's one matmul on the same input.
     Not thread-safe: the group keeps its last input; the engine runs a model on one thread."""
 
-    _group: _Group
-    _index: int
+    group: Group
+    index: int
 
     def __call__(self, x: mx.array) -> mx.array:
-        out = self._group.part(x, self._index)
+        out = self.group.part(x, self.index)
         return super().__call__(x) if out is None else out
 
 
@@ -149,12 +149,12 @@ def fuse_projections(model: nn.Module) -> int:
                 continue
             if len({"bias" in m for m in linears}) > 1:
                 continue  # some with a bias, some without: left as they are
-            group = _Group(linears)
+            group = Group(linears)
             for index, m in enumerate(linears):
                 m.__class__ = FusedLinear
                 # Plain attributes, outside the module's parameter tree.
-                object.__setattr__(m, "_group", group)
-                object.__setattr__(m, "_index", index)
+                object.__setattr__(m, "group", group)
+                object.__setattr__(m, "index", index)
             changed = True
         fused += changed
     mx.clear_cache()  # the unfused weights' buffers

@@ -34,7 +34,7 @@ def test_fused_model_gives_mlx_lm_tokens_and_logits(bias: bool) -> None:
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, fused.FusedLinear)
     # Every part was handed out: the group holds no activation until the next call.
-    assert attn.q_proj._group._input is None
+    assert attn.q_proj.group._input is None
 
 
 def test_fused_model_keeps_its_parameters_as_views() -> None:
@@ -44,7 +44,7 @@ def test_fused_model_keeps_its_parameters_as_views() -> None:
     after = {k: v.shape for k, v in tree_flatten(model.parameters())}
     assert after == before
     attn, plain_attn = model.model.layers[1].self_attn, plain.model.layers[1].self_attn
-    group = attn.k_proj._group
+    group = attn.k_proj.group
     assert group.weight.shape[0] == sum(
         m.weight.shape[0] for m in (attn.q_proj, attn.k_proj, attn.v_proj)
     )
