@@ -37,6 +37,8 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 import mlx.nn as nn
 
+from .errors import InvalidRequestError
+
 log = logging.getLogger(__name__)
 
 ENV = "MLX_TRIO_FUSE_PROJECTIONS"
@@ -115,7 +117,9 @@ class FusedLinear(nn.Linear):
 
 def wanted(device: str, *, given: bool | None = None) -> bool:
     """Whether to fuse a model loaded on ``device`` (``"cpu"`` or ``"gpu"``): ``given`` if not
-    None, else ``MLX_TRIO_FUSE_PROJECTIONS`` (``on``/``off``) if set, else on a GPU only."""
+    None, else ``MLX_TRIO_FUSE_PROJECTIONS`` (``on``/``off``) if set, else on a GPU only.
+    Another value of the variable is an :class:`InvalidRequestError` (the CLI's one-line
+    error, as a ``--device gpu`` without a GPU)."""
     if given is not None:
         return given
     setting = os.environ.get(ENV, "auto").strip().lower()
@@ -124,7 +128,7 @@ def wanted(device: str, *, given: bool | None = None) -> bool:
     if setting in {"off", "0", "false", "no"}:
         return False
     if setting != "auto":
-        raise ValueError(f"{ENV} must be on, off or auto, not {setting!r}")
+        raise InvalidRequestError(f"{ENV} must be on, off or auto, not {setting!r}")
     return device == "gpu"
 
 

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from mlx_trio.engine import fused
 from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import SamplingParams
@@ -98,7 +99,7 @@ def test_the_default_is_on_for_a_gpu_and_the_environment_overrides_it(
     monkeypatch.setenv(fused.ENV, "off")
     assert not fused.wanted("gpu")
     monkeypatch.setenv(fused.ENV, "sometimes")
-    with pytest.raises(ValueError, match=fused.ENV):
+    with pytest.raises(InvalidRequestError, match=fused.ENV):
         fused.wanted("gpu")
 
 
