@@ -40,10 +40,18 @@ def serve_engine(
     prefill_chunk: int,
     warm: bool,
     log_level: int,
+    *,
+    terminable: bool = False,
 ) -> None:
-    """The engine process's main: build, warm up, then answer calls until ``None`` or EOF."""
+    """The engine process's main: build, warm up, then answer calls until ``None`` or EOF.
+
+    Signals meant for the server do not end it (the runtime ends it, after draining);
+    ``terminable`` keeps SIGTERM's default for rank 0 of a group, which ``mlx.launch`` ends
+    with SIGTERM when another rank dies (ignoring it left the launcher waiting, and the group
+    up, until the next request hung in a collective)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not terminable:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s"
     )

@@ -51,7 +51,13 @@ def main(args_file: str) -> None:
         sock.connect(args.socket_path)
         connection = Connection(sock.detach())
         serve_engine(
-            connection, build, args.max_batch, args.prefill_chunk, args.warm_up, args.log_level
+            connection,
+            build,
+            args.max_batch,
+            args.prefill_chunk,
+            args.warm_up,
+            args.log_level,
+            terminable=True,
         )
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -2,7 +2,8 @@
 ``mlx.launch``) with the embedded default model: 3 ranks tensor-parallel (its 9 query and 3 KV
 heads divide over 3) and 2 ranks pipeline-parallel give one process's greedy tokens, on the
 serial lane and in a batch with a cancellation and a disconnect; a rank killed mid-request ends
-it ``engine_fault``, ``/health`` turns 503, and the supervisor starts a new group."""
+it ``engine_fault``, ``/health`` turns 503, and the supervisor starts a new group; a rank killed
+while the group is idle is noticed at once, not at the next request."""
 
 from __future__ import annotations
 
@@ -181,3 +182,26 @@ def test_a_rank_killed_mid_request_fails_it_and_the_group_restarts():
         )
         assert "Paris" in (answer.choices[0].message.content or "")
         assert httpx.get(f"{server.url}/v1/stats").json()["engine"]["restarts"] == 1
+
+
+def test_a_rank_killed_while_idle_restarts_the_group():
+    """No step in flight, so rank 0 learns nothing from the collectives: ``mlx.launch`` ends it
+    (SIGTERM), and the runtime sees the group die at once rather than at the next request."""
+    options = ServeOptions(ranks=RankGroup(2, "pipeline"), runtime=RuntimeConfig(**SLOW_STEPS))
+    with ServerThread(options) as server:
+        wait_for(lambda: health(server.url) == 200, 180, "the ranks came up")
+        (pid,) = rank_pids(1)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: health(server.url) == 503, 30, "/health turned 503")
+        wait_for(lambda: health(server.url) == 200, 180, "a new group started")
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        answer = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=12,
+            temperature=0,
+        )
+        assert "Paris" in (answer.choices[0].message.content or "")
+        stats = httpx.get(f"{server.url}/v1/stats").json()
+        assert stats["engine"]["restarts"] == 1
+        assert stats["failed"] == {}  # nothing was in flight to lose
