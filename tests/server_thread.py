@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import httpx
+import openai
 import pytest
 import trio
 
@@ -102,3 +103,14 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> floa
 def health(url: str) -> int:
     """The status code of a server's ``/health``."""
     return httpx.get(f"{url}/health", timeout=5).status_code
+
+
+def ask(client: openai.OpenAI, model: str, question: str, max_tokens: int) -> str:
+    """The text of ``model``'s greedy chat reply to ``question``."""
+    answer = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    return answer.choices[0].message.content or ""

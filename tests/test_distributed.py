@@ -28,7 +28,7 @@ from mlx_trio.api import (
 )
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.rank_group import RankGroup
-from tests.server_thread import ServerThread, health, wait_for
+from tests.server_thread import ServerThread, ask, health, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -174,13 +174,7 @@ def test_a_rank_killed_mid_request_fails_it_and_the_group_restarts():
         stats = httpx.get(f"{server.url}/v1/stats").json()
         assert stats["failed"] == {"engine_fault": 1}
         wait_for(lambda: health(server.url) == 200, 180, "a new group started")
-        answer = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=12,
-            temperature=0,
-        )
-        assert "Paris" in (answer.choices[0].message.content or "")
+        assert "Paris" in ask(client, model, "What is the capital of France?", max_tokens=12)
         assert httpx.get(f"{server.url}/v1/stats").json()["engine"]["restarts"] == 1
 
 
@@ -195,13 +189,8 @@ def test_a_rank_killed_while_idle_restarts_the_group():
         wait_for(lambda: health(server.url) == 503, 30, "/health turned 503")
         wait_for(lambda: health(server.url) == 200, 180, "a new group started")
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-        answer = client.chat.completions.create(
-            model=client.models.list().data[0].id,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=12,
-            temperature=0,
-        )
-        assert "Paris" in (answer.choices[0].message.content or "")
+        model = client.models.list().data[0].id
+        assert "Paris" in ask(client, model, "What is the capital of France?", max_tokens=12)
         stats = httpx.get(f"{server.url}/v1/stats").json()
         assert stats["engine"]["restarts"] == 1
         assert stats["failed"] == {}  # nothing was in flight to lose

@@ -37,7 +37,7 @@ from mlx_trio.engine.calls import Call, EngineStarted, EngineState, Reply
 from mlx_trio.engine.errors import EngineUnavailableError
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.sampling_defaults import NO_DEFAULTS
-from tests.server_thread import ServerThread, health, wait_for
+from tests.server_thread import ServerThread, ask, health, wait_for
 
 
 class FakeTransport:
@@ -260,13 +260,7 @@ def test_killing_the_engine_process_mid_stream_fails_its_rows_and_the_server_rec
         assert stats["engine"]["restarts"] == 1 and stats["engine"]["pid"] not in (None, pid)
         assert "exit code -9" in stats["engine"]["last_cause"]
         assert stats["kv_bytes"] == 0
-        answer = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=16,
-            temperature=0,
-        )
-        assert "Paris" in (answer.choices[0].message.content or "")
+        assert "Paris" in ask(client, model, "What is the capital of France?", max_tokens=16)
         metrics = httpx.get(f"{server.url}/metrics").text
         assert "mlx_trio_engine_restarts_total 1.0" in metrics
         assert 'mlx_trio_engine_up{condition="up"} 1.0' in metrics
