@@ -26,11 +26,12 @@ out whatever was sampled since the last, at once, and the engine never waits (de
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent import futures
 from typing import Any
 
 from .batch_rows import BatchRow, GeneratorRows, PromptStart, commit, guard_sampler
 from .generate import Engine
-from .grammar import rewind
+from .grammar import grammar_failure, request_matcher, rewind
 from .outputs import RowEvent, RowFailed, RowProgress
 from .params import PreparedRequest, SamplingParams
 from .sampling import Sampler, make_row_sampler, with_injected_fault
@@ -40,6 +41,7 @@ from .threads import Shape, shape
 
 DEFAULT_PREFILL_CHUNK = 256
 PREFILL_BATCH = 8  # prompts prefilled together, without a budget
+MATCHER_WAIT_S = 0.05  # how long a step with nothing else to do waits for a grammar's matcher
 
 
 class BatchEngine:
@@ -69,6 +71,11 @@ class BatchEngine:
             )
         self._batch = GeneratorRows(engine, max_batch=max_batch, budget=budget)
         self._rows: dict[int, BatchRow] = {}
+        # Rows held to a grammar whose matcher is still being built (off the step: a large
+        # schema's takes seconds); they join at the first step after it is.
+        self._waiting: dict[int, tuple[PreparedRequest, futures.Future[Any]]] = {}
+        self._held: dict[int, BatchRow] = {}  # rows held to a grammar
+        self._failed_to_join: list[RowEvent] = []
         self._faults: dict[int, str] = {}  # sampler failures of this step, by row
         self._next_row = 0
         self._solo = SoloRow(engine, prefill_chunk=prefill_chunk, enabled=solo)
@@ -86,8 +93,9 @@ class BatchEngine:
 
     @property
     def num_rows(self) -> int:
-        """Rows added and not yet finished or removed (prefilling, generating or parked)."""
-        return len(self._rows)
+        """Rows added and not yet finished or removed (waiting for their grammar's matcher,
+        prefilling, generating or parked)."""
+        return len(self._rows) + len(self._waiting)
 
     @property
     def num_active(self) -> int:
@@ -131,11 +139,21 @@ class BatchEngine:
         ]
 
     def add(self, request: PreparedRequest) -> int:
-        """Queue a row; it starts prefilling at the next step. Returns its row id."""
+        """Queue a row; it starts prefilling at the next step (a row held to a grammar, once
+        its matcher is built). Returns its row id."""
         self._raise_fault()
-        self._end_solo()
         row_id = self._next_row
         self._next_row += 1
+        if (grammar := request.params.grammar) is not None:
+            matcher = request_matcher(grammar, self._engine.tokenizer)
+            if not matcher.done():
+                self._waiting[row_id] = (request, matcher)
+                return row_id
+        self._add_now(row_id, request)
+        return row_id
+
+    def _add_now(self, row_id: int, request: PreparedRequest) -> None:
+        self._end_solo()
         sampler = with_injected_fault(self._sampler_factory(request.params), request)
         if sampler is not None:
             sampler = guard_sampler(row_id, sampler, self._faults)
@@ -148,7 +166,25 @@ class BatchEngine:
         else:
             self._batch.insert_from(row, start)
         self._rows[row_id] = row  # only once mlx-lm took it: a failed add changes nothing
-        return row_id
+        if request.params.grammar is not None:
+            self._held[row_id] = row
+
+    def _admit_waiting(self) -> None:
+        """Rows whose matcher is now built join the batch (a step with no other row waits a
+        moment for one); a row whose grammar failed to build fails."""
+        if not self._waiting:
+            return
+        if not self.num_active:
+            pending = [matcher for _, matcher in self._waiting.values()]
+            futures.wait(pending, MATCHER_WAIT_S, return_when=futures.FIRST_COMPLETED)
+        for row_id, (request, matcher) in list(self._waiting.items()):
+            if not matcher.done():
+                continue
+            del self._waiting[row_id]
+            try:
+                self._add_now(row_id, request)
+            except Exception as exc:  # its grammar's InvalidRequestError, say
+                self._failed_to_join.append(RowFailed(row=row_id, message=str(exc)))
 
     def remove(self, rows: Iterable[int]) -> None:
         """Drop rows (cancelled, failed or parked); unknown ids are ignored. Frees their KV,
@@ -156,6 +192,8 @@ class BatchEngine:
         self._raise_fault()
         uids = []
         for row_id in rows:
+            self._waiting.pop(row_id, None)
+            self._held.pop(row_id, None)
             row = self._rows.pop(row_id, None)
             if row is not None and (uid := self._detach(row_id, row)) is not None:
                 uids.append(uid)
@@ -269,6 +307,7 @@ class BatchEngine:
         holds and builds a new :class:`BatchEngine`.
         """
         self._raise_fault()
+        self._admit_waiting()
         for _ in range(max(0 if self._ahead else 1, steps - self._ahead)):
             if not self.num_active or self._first_token:
                 break
@@ -315,6 +354,9 @@ class BatchEngine:
     def _step_once(self) -> None:
         self._step_count += 1
         self._step()
+        for row_id, row in self._held.items():  # a grammar that could not go on fails its row
+            if (failure := grammar_failure(row.processors)) is not None:
+                self._faults.setdefault(row_id, failure)
         if self._faults:
             self._fail_faulted()
 
@@ -324,6 +366,7 @@ class BatchEngine:
         outputs: list[RowEvent] = []
         failures: list[RowEvent] = []
         leaving: list[int] = []
+        leaving_ids: list[int] = []
         for row_id, row in self._touched.items():
             if self._rows.get(row_id) is not row:  # removed after a step run ahead
                 continue
@@ -333,16 +376,22 @@ class BatchEngine:
                 outputs.append(output)
             if output is not None and output.stats is not None:  # finished
                 del self._rows[row_id]
+                leaving_ids.append(row_id)
                 if (uid := self._detach(row_id, row)) is not None:
                     leaving.append(uid)
             elif row.failure is not None:
                 del self._rows[row_id]
+                leaving_ids.append(row_id)
                 failures.append(RowFailed(row=row_id, message=row.failure))
             else:  # (a row parked after steps ran ahead of the call is not stepped)
                 assert self._is_stepped(row) or row.parked is not None, (
                     "mlx-lm finished a row that its decoder did not"
                 )
         self._batch.remove(leaving)
+        for row_id in leaving_ids:
+            self._held.pop(row_id, None)
+        failures.extend(self._failed_to_join)
+        self._failed_to_join = []
         return [*self._progress.values(), *outputs, *failures]
 
     def _keeps_tokens(self, row: BatchRow, steps: int) -> bool:
@@ -387,4 +436,6 @@ class BatchEngine:
         """Release every row and the generator."""
         self._solo.close()
         self._rows.clear()
+        self._waiting.clear()
+        self._held.clear()
         self._batch.close()

@@ -24,8 +24,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import fused
 from .budget import MemoryLimit
-from .errors import InvalidRequestError
-from .grammar import check_grammar
+from .errors import EngineError, InvalidRequestError
+from .grammar import grammar_failure
+from .grammar_sandbox import GrammarSandbox, TokenizerSpec
 from .loader import LoadedModel, load_model
 from .memory import ModelMemory, measure_model
 from .outputs import Delta, GenerationStats
@@ -80,14 +81,13 @@ class Generation:
         kv = hit.cache if hit is not None else make_prompt_cache(self._engine.model)
         skip = hit.num_tokens if hit is not None else 0
         self._decoder.num_cached_tokens = skip
+        processors = make_row_processors(params, self._engine.tokenizer)
         steps = generate_step(
             mx.array(prompt[skip:]),
             self._engine.model,
             max_tokens=params.max_tokens,
             sampler=with_injected_fault(make_row_sampler(params), self._request) or greedy_sampler,
-            logits_processors=with_history(
-                make_row_processors(params, self._engine.tokenizer), prompt[:skip]
-            ),
+            logits_processors=with_history(processors, prompt[:skip]),
             prompt_cache=kv,
             prefill_step_size=self._engine.prefill_step_size,
             prompt_progress_callback=self._on_progress,
@@ -95,6 +95,8 @@ class Generation:
         generated: list[int] = []
         try:
             for token, logprobs in steps:
+                if (failure := grammar_failure(processors)) is not None:
+                    raise EngineError(failure)
                 generated.append(int(token))
                 delta = self._decoder.feed(int(token), logprobs)
                 yield delta
@@ -152,7 +154,12 @@ class RequestPreparer:
                         param=param,
                     )
         if params.grammar is not None:
-            check_grammar(params.grammar, self.tokenizer)
+            self.grammar_sandbox.check(params.grammar)
+
+    @functools.cached_property
+    def grammar_sandbox(self) -> GrammarSandbox:
+        """Where a request's grammar is compiled first (``engine/grammar_sandbox.py``)."""
+        return GrammarSandbox(TokenizerSpec.of(self.tokenizer))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -9,6 +9,13 @@ Hugging Face's.
 Its MLX helper applies the mask with a Metal kernel only, so the mask is applied here with
 ``mx.where`` on any device.
 
+What llguidance compiles is compiled on threads with a large stack, after bounds, and a
+request's grammar first in a child process (``engine/grammar_text.py``,
+``engine/grammar_sandbox.py``): a grammar that would crash the compiler or take seconds is a
+400 before admission. The engine builds each grammar's matcher once, on such a thread, off its
+step (:class:`Matchers`; the batch engine holds a row back until its matcher is built), and a
+row gets a copy.
+
 A grammar travels in ``SamplingParams.grammar`` (a plain, picklable ``params.Grammar``); the
 engine turns it into one more logits processor for the row (:func:`grammar_processor`), applied
 after the others, so it works on both lanes and wherever the row is (mlx-lm's batch, solo, or
@@ -18,9 +25,10 @@ tokens so far: each call after the first feeds the grammar the row's last token 
 
 from __future__ import annotations
 
-import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import llguidance
@@ -33,31 +41,8 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 # isort: split
 import mlx.core as mx
 
-from .errors import InvalidRequestError
+from .grammar_text import COMPILERS, first_line, new_matcher
 from .params import Grammar
-
-ANY_JSON_OBJECT = '{"type": "object"}'
-# JSON on one line, separators fixed: a model free to put whitespace between tokens may emit it
-# forever (the tiny random model of the tests did, and small models do), and none is needed.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def llguidance_grammar(grammar: Grammar) -> str:
-    """``grammar`` as llguidance's grammar text; raises ``InvalidRequestError``."""
-    try:
-        match grammar.kind:
-            case "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, JSON_LAYOUT)
-            case "json_schema":
-                json.loads(grammar.spec)  # a clear error for text that is not JSON at all
-                return llguidance.LLMatcher.grammar_from_json_schema(grammar.spec, JSON_LAYOUT)
-            case "regex":
-                return llguidance.LLMatcher.grammar_from_regex(grammar.spec)
-            case "lark":
-                return llguidance.LLMatcher.grammar_from_lark(grammar.spec)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"invalid {grammar.kind}: {exc}", param="grammar") from None
-    raise InvalidRequestError(f"unknown grammar kind {grammar.kind!r}", param="grammar")
 
 
 class GrammarTokenizers:
@@ -83,13 +68,47 @@ class GrammarTokenizers:
 TOKENIZERS = GrammarTokenizers()
 
 
-def check_grammar(grammar: Grammar, tokenizer: Any) -> None:
-    """Raise ``InvalidRequestError`` (``param`` ``grammar``) if ``grammar`` cannot be compiled
-    for ``tokenizer``: a bad schema, an unsupported keyword, a regex that does not parse."""
-    text = llguidance_grammar(grammar)
-    error = llguidance.LLMatcher.validate_grammar(text, TOKENIZERS.of(tokenizer))
-    if error:
-        raise InvalidRequestError(f"invalid {grammar.kind}: {error}", param="grammar")
+class Matchers:
+    """Each grammar's matcher, built once on a compiling thread (off the engine's step) and
+    kept for the next rows held to it, at most ``size`` grammars (least recently used out);
+    a row gets a copy (a fraction of a millisecond)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._lock = threading.Lock()
+        self._size = size
+        self._built: OrderedDict[tuple[int, Grammar], Future[llguidance.LLMatcher]] = OrderedDict()
+
+    def request(
+        self, grammar: Grammar, tokenizer: llguidance.LLTokenizer
+    ) -> Future[llguidance.LLMatcher]:
+        """The matcher of ``grammar``, built or being built; a failed build's future holds its
+        ``InvalidRequestError``."""
+        key = (id(tokenizer), grammar)
+        with self._lock:
+            if (found := self._built.get(key)) is not None:
+                self._built.move_to_end(key)
+                return found
+            future: Future[llguidance.LLMatcher] = Future()
+            self._built[key] = future
+            while len(self._built) > self._size:
+                self._built.popitem(last=False)
+
+        def build() -> None:
+            try:
+                future.set_result(new_matcher(grammar, tokenizer))
+            except Exception as exc:
+                future.set_exception(exc)
+
+        COMPILERS.submit(build)
+        return future
+
+
+MATCHERS = Matchers()
+
+
+def request_matcher(grammar: Grammar, tokenizer: Any) -> Future[llguidance.LLMatcher]:
+    """Start building ``grammar``'s matcher for an mlx-lm tokenizer, if not built yet."""
+    return MATCHERS.request(grammar, TOKENIZERS.of(tokenizer))
 
 
 def grammar_processor(grammar: Grammar, tokenizer: Any) -> Callable[[mx.array, mx.array], Any]:
@@ -109,11 +128,17 @@ def rewind(processors: list[Any]) -> None:
 class GrammarProcessor:
     """One row's matcher: each call feeds it the row's last token (none the first time) and
     masks the logits to the tokens the grammar allows next. Once the grammar is complete only
-    the end tokens are allowed. A token the matcher refuses (none should reach it) leaves the
-    mask at the end tokens only, so the row ends rather than run on unconstrained."""
+    the end tokens are allowed.
+
+    A matcher that cannot go on (its grammar too costly for a step, by ``LIMITS``; a token it
+    refuses, which none should be) sets :attr:`failure`; the row's lane then fails the row
+    with it, and drops the token sampled meanwhile. Its output never ends as if complete."""
 
     def __init__(self, grammar: Grammar, tokenizer: llguidance.LLTokenizer) -> None:
-        self._matcher = llguidance.LLMatcher(tokenizer, llguidance_grammar(grammar), log_level=0)
+        # Built on a compiling thread, once a grammar (waits if still building: the batch
+        # engine holds a row back until its matcher is built, so its step never waits here).
+        self._matcher = MATCHERS.request(grammar, tokenizer).result().deep_copy()
+        self.failure: str | None = None
         self.vocab_size = tokenizer.vocab_size
         self._bitmask = llnumpy.allocate_token_bitmask(1, self.vocab_size)
         self._started = False
@@ -145,9 +170,19 @@ class GrammarProcessor:
         if feed is not None:
             self._matcher.consume_token(feed[1])
 
+    def check(self, bitmask: np.ndarray, row: int) -> None:
+        """After a mask is filled into ``bitmask[row]``: a matcher in error sets
+        :attr:`failure` and leaves the row's mask open (its token will be dropped)."""
+        if self.failure is None and self._matcher.is_error():
+            reason = first_line(self._matcher.get_error())
+            self.failure = f"the output's grammar could not go on ({reason})"
+        if self.failure is not None:
+            bitmask[row].fill(-1)
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         self.advance(int(tokens.reshape(-1)[-1].item()) if self._started else None)
         llnumpy.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        self.check(self._bitmask, 0)
         return masked(logits, self._bitmask)
 
 
@@ -193,4 +228,14 @@ class BatchMasks:
         llnumpy.consume_token_par(BatchMasks._executor, [f for f in feeds if f is not None])
         matchers = [(processor.matcher, row) for row, processor in self.rows]
         llnumpy.fill_next_token_bitmask_par(BatchMasks._executor, matchers, bitmask)
+        for row, processor in self.rows:
+            processor.check(bitmask, row)
         return bitmask
+
+
+def grammar_failure(processors: Sequence[Any]) -> str | None:
+    """Why a row's grammar could not go on, if it could not (:class:`GrammarProcessor`)."""
+    for processor in processors:
+        if isinstance(processor, GrammarProcessor) and processor.failure is not None:
+            return processor.failure
+    return None

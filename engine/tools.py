@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import InvalidRequestError
+from .grammar_text import check_bounds
 from .params import Grammar
 
 CALL_START = "<tool_call>"
@@ -34,7 +35,8 @@ CALL_END = "</tool_call>"
 RESPONSE_START = "<tool_response>"
 RESPONSE_END = "</tool_response>"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
-ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}
+# A function given no ``parameters`` takes none (OpenAI: "an empty parameter list").
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 # The arguments' JSON on one line with fixed separators (as ``engine/grammar.py``'s JSON_LAYOUT).
 CALL_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -58,11 +60,11 @@ For each function call, return a json object with function name and arguments wi
 @dataclass(frozen=True, slots=True)
 class Tool:
     """A function the model may call: ``parameters`` is its arguments' JSON schema, as JSON
-    text (so that the value stays frozen)."""
+    text (so that the value stays frozen): an object's; by default, no arguments."""
 
     name: str
     description: str = ""
-    parameters: str = json.dumps(ANY_ARGUMENTS)
+    parameters: str = json.dumps(NO_ARGUMENTS)
 
     def __post_init__(self) -> None:
         if not NAME_PATTERN.match(self.name):
@@ -71,10 +73,28 @@ class Tool:
                 f"got {self.name[:80]!r}",
                 param="tools",
             )
+        try:
+            schema = json.loads(self.parameters)
+        except json.JSONDecodeError:
+            schema = None
+        kind = schema.get("type", "object") if isinstance(schema, dict) else None
+        if kind != "object":  # arguments are a JSON object: a call of anything else is no call
+            raise InvalidRequestError(
+                f"the parameters of tool {self.name!r} must be a JSON schema of an object "
+                f'({{"type": "object", ...}}), got {self.parameters[:80]}',
+                param="tools",
+            )
+        try:  # a forced call compiles it: the same bounds as a response_format's schema
+            check_bounds(Grammar("json_schema", self.parameters))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(
+                f"the parameters of tool {self.name!r}: {exc.message}", param="tools"
+            ) from None
 
     @classmethod
     def of(cls, name: str, description: str = "", parameters: dict | None = None) -> Tool:
-        schema = ANY_ARGUMENTS if parameters is None else parameters
+        """A tool; ``parameters`` None: it takes no arguments."""
+        schema = NO_ARGUMENTS if parameters is None else parameters
         return cls(name, description, json.dumps(schema))
 
     def openai(self) -> dict[str, Any]:

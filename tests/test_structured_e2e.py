@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from typing import Annotated, Literal
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -299,3 +300,75 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(default_
             response_format={"type": "json_schema", "json_schema": bad},
         )
     assert caught.value.body["param"] == "response_format"  # type: ignore[index]
+
+
+def ref_chain(n: int) -> dict:
+    defs: dict = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def test_a_ref_chain_that_crashed_the_server_is_a_400_and_the_server_serves_on(
+    default_model_server,
+):
+    """The red team's 1,000-``$ref`` chain, in ``response_format`` and in a forced tool's
+    ``parameters``: a 400 naming the field, and the next request is answered."""
+    sdk = openai.OpenAI(base_url=f"{default_model_server.url}/v1", api_key="unused", max_retries=0)
+    chat = {
+        "model": model_id(default_model_server),
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    schema = {"name": "chain", "schema": ref_chain(1000)}
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(
+            **chat, response_format={"type": "json_schema", "json_schema": schema}
+        )
+    assert caught.value.body["param"] == "response_format"  # type: ignore[index]
+    tool = {"type": "function", "function": {"name": "f", "parameters": ref_chain(1000)}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(**chat, tools=[tool], tool_choice="required")
+    assert caught.value.body["param"] == "tools"  # type: ignore[index]
+    assert sdk.chat.completions.create(**chat, max_tokens=4).choices[0].message.content
+
+
+def test_costly_schemas_together_cost_no_one_else_their_request(default_model_server):
+    """Eight distinct schemas, each a matcher that takes a while to build, asked at once
+    beside a plain stream: every request ends well and the engine is never restarted (their
+    matchers are built off the engine's step)."""
+    sdk = openai.OpenAI(base_url=f"{default_model_server.url}/v1", api_key="unused", max_retries=0)
+
+    def costly(k: int) -> str | None:
+        options = [
+            {
+                "type": "object",
+                "properties": {f"k{k}_{i}": {"type": "integer"}},
+                "required": [f"k{k}_{i}"],
+            }
+            for i in range(1500)
+        ]
+        reply = sdk.chat.completions.create(
+            model=model_id(default_model_server),
+            messages=[{"role": "user", "content": "Give a number."}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": f"s{k}", "schema": {"anyOf": options}},
+            },
+            max_tokens=16,
+        )
+        return reply.choices[0].finish_reason
+
+    def plain() -> str | None:
+        reply = sdk.chat.completions.create(
+            model=model_id(default_model_server),
+            messages=[{"role": "user", "content": "Count to ten."}],
+            max_tokens=48,
+        )
+        return reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(9) as pool:
+        held = [pool.submit(costly, k) for k in range(8)]
+        bystander = pool.submit(plain)
+        assert bystander.result() in ("stop", "length")
+        assert all(f.result() in ("stop", "length") for f in held)
+    metrics = httpx.get(f"{default_model_server.url}/metrics").text
+    assert "mlx_trio_engine_restarts_total 0.0" in metrics

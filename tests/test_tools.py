@@ -13,7 +13,8 @@ from mlx_lm.tool_parsers import json_tools
 from mlx_trio.engine.batch import BatchEngine
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.grammar import TOKENIZERS, llguidance_grammar
+from mlx_trio.engine.grammar import TOKENIZERS
+from mlx_trio.engine.grammar_text import llguidance_grammar
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.prompt import Chat, ChatMessage, encode_prompt
 from mlx_trio.engine.random_model import byte_level_tokenizer
