@@ -12,7 +12,8 @@ and the output conventions (a JSON, a markdown table, a plot; ``--report-only`` 
 - the GPU run (``--gpu``), every system in one process on one random-weight Llama-3.2-1B-shaped
   model: ``models`` (the model), ``wave_plan`` (its systems and plan, as data), ``waves`` (one
   wave of each system), ``probes`` (what else it times), ``wave_runner`` (models, warm-up,
-  paired rounds) and ``wave_report`` (paired ratios, table, plot; from the JSON alone).
+  paired rounds), ``wave_report`` (paired ratios, table, plot; from the JSON alone) and
+  ``log_kinds`` (a failure every request repeats, logged once).
 
 design/014-bench.md says why there are two.
 """

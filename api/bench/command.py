@@ -8,9 +8,12 @@ Two runs share the command, the prompts (``scenarios``), the load generator and 
   random-weight Llama-3.2-1B-shaped model, in paired waves (``wave_runner``, ``wave_report``).
   ``--quick`` shrinks the model so that a CPU runs it in a minute or two.
 
-Either logs a progress line per run (stderr), writes its results as JSON, draws the plot where
-matplotlib is installed (``pip install 'mlx-trio[bench]'``) and prints the markdown table on
-stdout. ``--report-only FILE`` does the last two from a saved JSON of either run.
+Either logs a progress line per run (stderr), writes its results as JSON (rewritten after each
+run, so that a run cut short keeps what finished), draws the plot where matplotlib is
+installed (``pip install 'mlx-trio[bench]'``) and prints the markdown table on stdout.
+``--report-only FILE`` does the last two from a saved JSON of either run. The exit status is
+1 when a system failed: it did not start or stopped part-way, or (mlx-trio's systems, every
+system of the GPU run) some of its requests failed; the table says which.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 import trio
 
 from . import report, suite_plot, wave_report
+from .log_kinds import once_per_kind
+from .results import write_json
 from .scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, parse_scenarios
 from .systems import BASELINE, DEFAULT_SYSTEMS, SYSTEMS
 from .wave_plan import MODELS, QUICK_LEVELS, QUICK_MAX_TOKENS, WAVE_SYSTEMS, WavePlan
@@ -267,22 +272,49 @@ def run(args: argparse.Namespace) -> int:
     png = args.png or out.with_suffix(".png")
     if args.gpu:
         return _run_gpu(args, out, png)
-    data = _run_suite(args, out)
+    try:
+        data = _run_suite(args, out)
+    except KeyboardInterrupt:
+        if out.is_file():
+            logger.warning("interrupted: %s keeps the runs that finished", out)
+        raise
     status = _report(data, png)
-    out.write_text(json.dumps(data, indent=2) + "\n")
+    write_json(out, data)
     logger.info("wrote %s", out)
     return status
 
 
 def _report(data: dict[str, Any], png: Path) -> int:
-    """Plot and print ``data``, a JSON of either run (the GPU run's has ``models``)."""
+    """Plot and print ``data``, a JSON of either run (the GPU run's has ``models``); 1 if
+    some system failed (:func:`failed_systems`)."""
     if "models" in data:
         draw(wave_report.plot, data, png)
         print(wave_report.table(data))
-        return 0
-    draw(suite_plot.plot, data, png)
-    print(report.render(data))
-    return 1 if any(system["error"] for system in data["systems"]) else 0
+    else:
+        draw(suite_plot.plot, data, png)
+        print(report.render(data))
+    if failed := failed_systems(data):
+        logger.error("failed: %s", "; ".join(failed))
+        return 1
+    return 0
+
+
+def failed_systems(data: dict[str, Any]) -> list[str]:
+    """What failed in a saved run of either kind: in the GPU run, any system with a failed
+    request or wave; in the suite, a system that did not start or stopped part-way, or one of
+    mlx-trio's with failed requests (mlx_lm.server's stock listener resets a burst's extra
+    connections by design: its errors are measured, not a failure of the run)."""
+    if "models" in data:
+        return wave_report.failures(data)
+    failed = []
+    for system in data["systems"]:
+        if system["error"]:
+            failed.append(f"{system['label']}: {system['error']}")
+        elif system["key"].startswith("mlx-trio") and (
+            errors := sum(level["num_errors"] for level in system["levels"])
+        ):
+            failed.append(f"{system['label']}: {errors} failed requests")
+    return failed
 
 
 def _run_suite(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -309,6 +341,7 @@ def _run_suite(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         rounds=args.rounds or 1,
         baseline=args.baseline,
         model_dir=args.model_dir,
+        save=partial(write_json, out),
     )
     data = trio.run(suite)
     data["total_s"] = _process_age_s()
@@ -343,6 +376,12 @@ def _run_gpu(args: argparse.Namespace, out: Path, png: Path) -> int:
     if args.warmup_only:
         print(json.dumps(trio.run(warmup_only, plan, out)["warmup_only"], indent=1))
         return 0
-    data = trio.run(run_waves, plan, out)
+    with once_per_kind():
+        try:
+            data = trio.run(run_waves, plan, out)
+        except KeyboardInterrupt:
+            if out.is_file():
+                logger.warning("interrupted: %s keeps the waves that finished", out)
+            raise
     logger.info("wrote %s", out)
     return _report(data, png)

@@ -8,6 +8,7 @@ reported again without running anything. ``scenario`` in each level row names th
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from collections.abc import Sequence
@@ -119,3 +120,11 @@ def to_json(
         "cancel_probe": probe,
     }
     return data
+
+
+def write_json(out: Path, data: dict[str, Any], indent: int = 2) -> None:
+    """Write ``data`` to ``out`` by a rename, so that a run stopped while it writes leaves the
+    last whole file (the harness rewrites its results after every run)."""
+    staged = out.with_name(f".{out.name}.tmp")
+    staged.write_text(json.dumps(data, indent=indent) + "\n")
+    os.replace(staged, out)

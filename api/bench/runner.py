@@ -8,7 +8,8 @@ rather than one. Per run: generated tok/s, TTFT and inter-token latency p50/p99,
 process's peak RSS during the run (``VmHWM``, reset before it) and the CPU share other processes
 took meanwhile (``cpu_share``). Then, in-process, a cancelled stream's row: how many batch steps
 start between the cancel and the row leaving the batch. The HTTP systems are loaded by ``load``,
-the harness's one load generator; the workers measure each stream the same way.
+the harness's one load generator; the workers measure each stream the same way. What has
+finished is handed to a ``save`` after every run, so a run cut short keeps it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,12 +277,15 @@ async def run_suite(
     rounds: int = 1,
     baseline: Path | None = None,
     model_dir: Path | None = None,
+    save: Callable[[dict], None] | None = None,
 ) -> dict:
     """Start every system in ``keys``, run the plan (``rounds`` of each level), probe
     cancellation; a JSON-ready dict.
 
     A system that does not start, or fails at some level, is recorded with its error and left
-    out of the rest of the run; the others go on. Cancelled: every system is stopped first.
+    out of the rest of the run; the others go on. ``save`` gets the JSON-ready dict of what has
+    finished (``"partial": true``) after each system starts and each run ends, so that a run cut
+    short keeps them. Cancelled: every system is stopped first.
     """
     keys = [k for k in SYSTEMS if k in keys]  # the table's order, whatever the flag's
     idle_share = await idle_other_share(IDLE_PROBE_S)
@@ -289,6 +293,33 @@ async def run_suite(
     targets: dict[str, Target] = {}
     measurements: list[Measurement] = []
     probe: dict | None = None
+    settings = {
+        "max_tokens": scenarios[0].max_tokens,
+        "scenarios": [scenario_settings(s) for s in scenarios],
+        "concurrency": list(levels),
+        "rounds": rounds,
+        "baseline": None if baseline is None else str(baseline),
+        "max_batch": MAX_BATCH,
+        "prefill_batch": PREFILL_BATCH,
+        "prefill_chunk": PREFILL_CHUNK,
+        "warmup": f"{WARMUP_BURSTS} bursts of {WARMUP_CLIENTS} streams x "
+        f"{WARMUP_MAX_TOKENS} tokens per system",
+        **({} if model_dir is None else {"model": f"{model_dir.name} ({model_dir})"}),
+    }
+
+    def document() -> dict:
+        return to_json(
+            systems=[t.record() for t in targets.values()],
+            measurements=measurements,
+            probe=probe,
+            idle_other_share=idle_share,
+            settings=settings,
+        )
+
+    def checkpoint() -> None:
+        if save is not None:
+            save({**document(), "partial": True})
+
     async with AsyncExitStack() as stack:
         for key in keys:
             logger.info("starting %s", key)
@@ -300,6 +331,7 @@ async def run_suite(
                 logger.error("%s did not start: %r (it needs %s; see %s)", key, exc, d.needs, log)
                 error = f"did not start: {exc!r} (needs {d.needs})"
                 targets[key] = Target(key, d.label, d.kind, pid=0, error=error)
+            checkpoint()
         runs = plan(scenarios, keys, levels, rounds)
         for n, run in enumerate(runs, 1):
             target = targets[run.key]
@@ -314,8 +346,10 @@ async def run_suite(
             except (RuntimeError, OSError, httpx.HTTPError, trio.TooSlowError) as exc:
                 logger.error("%s failed at %d streams: %r", run.key, run.clients, exc)
                 target.error = f"failed at {run.clients} streams ({run.scenario.name}): {exc!r}"
+                checkpoint()
                 continue
             measurements.append(m)
+            checkpoint()
             logger.info("(%d/%d) %s", n, len(runs), report.one_line(label, m))
             if m.other_cpu_share is not None and m.other_cpu_share > BUSY_OTHER_SHARE:
                 logger.warning(
@@ -326,25 +360,7 @@ async def run_suite(
             assert inprocess.worker is not None
             probe = await probe_cancel(inprocess.worker)
         logger.info("stopping every system")
-    return to_json(
-        systems=[t.record() for t in targets.values()],
-        measurements=measurements,
-        probe=probe,
-        idle_other_share=idle_share,
-        settings={
-            "max_tokens": scenarios[0].max_tokens,
-            "scenarios": [scenario_settings(s) for s in scenarios],
-            "concurrency": list(levels),
-            "rounds": rounds,
-            "baseline": None if baseline is None else str(baseline),
-            "max_batch": MAX_BATCH,
-            "prefill_batch": PREFILL_BATCH,
-            "prefill_chunk": PREFILL_CHUNK,
-            "warmup": f"{WARMUP_BURSTS} bursts of {WARMUP_CLIENTS} streams x "
-            f"{WARMUP_MAX_TOKENS} tokens per system",
-            **({} if model_dir is None else {"model": f"{model_dir.name} ({model_dir})"}),
-        },
-    )
+    return document()
 
 
 async def probe_cancel(worker: Worker) -> dict:

@@ -99,20 +99,31 @@ def ensure_f32_model() -> Path:
     """The float32 copy of the default model in the model cache, made once with mlx_lm.convert.
 
     The conversion runs in a subprocess (OpenBLAS loaded first) into a temporary folder that is
-    renamed into place, so an interrupted conversion leaves no half-written model behind.
+    renamed into place, so an interrupted conversion leaves no half-written model behind. The
+    copy is about 520 MB: where it is and its size are logged, each run, since it stays.
     """
     from ...engine.model_store import cache_root, pull_default_model
 
     target = cache_root() / "models" / F32_MODEL_NAME
     if (target / "config.json").is_file():
-        logger.info("float32 model: %s (cached)", target)
+        logger.info(
+            "float32 copy of the default model for mlx_lm.server: %s (%s, cached; delete it to "
+            "free the space)",
+            target,
+            _size(target),
+        )
         return target
     source = pull_default_model()
-    logger.info("converting %s to float32 at %s", source, target)
+    logger.info(
+        "mlx_lm.server serves the default model in float32: converting %s into a copy at %s",
+        source,
+        target,
+    )
     code = (
         "import sys, mlx_trio.engine; from mlx_lm.convert import convert; "
         "convert(hf_path=sys.argv[1], mlx_path=sys.argv[2], dequantize=True, dtype='float32')"
     )
+    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".convert-", dir=target.parent) as tmp:
         staged = Path(tmp) / "model"
         subprocess.run(
@@ -121,7 +132,19 @@ def ensure_f32_model() -> Path:
             timeout=CONVERT_TIMEOUT_S,
         )
         staged.rename(target)
+    logger.warning(
+        "wrote a float32 copy of the default model for mlx_lm.server: %s (%s); it stays in the "
+        "cache for the next runs (delete it to free the space)",
+        target,
+        _size(target),
+    )
     return target
+
+
+def _size(directory: Path) -> str:
+    """The size of the files in ``directory``, in MB."""
+    size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    return f"{size / 1e6:,.0f} MB"
 
 
 DEFAULT_SYSTEMS = tuple(key for key, d in SYSTEMS.items() if not d.on_request)

@@ -6,13 +6,16 @@ Per model and concurrency: the median tok/s of each system over its waves, with 
 raw BatchGenerator (raw generate_step for the single-stream-only systems); the runtime's waves
 paired with the raw wave of their round, the median of those ratios and a 95% interval for it
 (distribution-free); the time inside and around mlx-lm's ``BatchGenerator.next()``; and for
-a single stream on a GPU, the best rate against the weights' bandwidth limit.
+a single stream on a GPU, the best rate against the weights' bandwidth limit. A system whose
+requests failed, or whose waves did not run, says so in its cell (``FAILED``) and in a list
+under the table (:func:`failures`); the command then exits 1.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +82,46 @@ def next_times(entry: dict, system: str, concurrency: int) -> dict[str, float] |
     return {key[:-2] + "_ms": 1e3 * statistics.median(x[key] for x in extras) for key in keys}
 
 
+def problems(entry: dict, system: str, concurrency: int) -> dict[str, Any] | None:
+    """What went wrong in ``system``'s waves at ``concurrency``, untimed pass included: failed
+    requests (``requests``, by kind where the load generator names them: ``kinds``) and waves
+    that raised (``waves``, by message: ``failures``); None if nothing did."""
+    cell = entry.get("results", {}).get(system, {}).get(str(concurrency)) or {}
+    requests = sum(cell.get("errors", [])) + cell.get("first_pass_errors", 0)
+    failures = Counter(cell.get("failures", []))
+    if not requests and not failures:
+        return None
+    kinds: Counter[str] = Counter(cell.get("first_pass_error_kinds", {}))
+    for extra in cell.get("extra", []):
+        kinds.update(extra.get("errors") or {})
+    return {
+        "requests": requests,
+        "kinds": dict(kinds),
+        "waves": sum(failures.values()),
+        "failures": dict(failures),
+    }
+
+
+def failures(doc: dict) -> list[str]:
+    """One line for each model, system and concurrency that had failed requests or waves."""
+    lines = []
+    for name, entry in doc["models"].items():
+        for system in WAVE_LABELS:
+            for concurrency in doc["config"]["concurrency"]:
+                found = problems(entry, system, concurrency)
+                if found is None:
+                    continue
+                parts = []
+                if found["requests"]:
+                    kinds = ", ".join(f"{k}: {n}" for k, n in sorted(found["kinds"].items()))
+                    part = f"{found['requests']} failed requests"
+                    parts.append(f"{part} ({kinds})" if kinds else part)
+                for message, n in found["failures"].items():
+                    parts.append(f"{n} waves raised {' '.join(message.split())[:300]}")
+                lines.append(f"{name}, {system} x{concurrency}: " + "; ".join(parts))
+    return lines
+
+
 def summarize(doc: dict) -> dict:
     """Per model: median tok/s per system and streams, ratios to raw, the bandwidth gap."""
     summary = {}
@@ -101,6 +144,9 @@ def summarize(doc: dict) -> dict:
             row["paired_spread"] = {s: paired_spread(entry, s, base, concurrency) for s in PAIRED}
             stepped = ("raw BatchGenerator", "mlx-trio in-process")
             row["next"] = {s: t for s in stepped if (t := next_times(entry, s, concurrency))}
+            row["failed"] = {
+                s: p for s in WAVE_LABELS if (p := problems(entry, s, concurrency)) is not None
+            }
             rows.append(row)
         limit = entry.get("bandwidth_limit_steps_s")
         singles = [median_rate(entry, s, 1) for s in WAVE_LABELS if s not in HTTP]
@@ -115,12 +161,15 @@ def summarize(doc: dict) -> dict:
     return summary
 
 
-def _cell(value: float | None, base: float | None) -> str:
-    if value is None:
-        return "-"
-    text = f"{value:,.0f}"
+def _cell(value: float | None, base: float | None, failed: dict[str, Any] | None = None) -> str:
+    text = "-" if value is None else f"{value:,.0f}"
     r = ratio(value, base)
-    return text if r is None else f"{text} ({r:.2f}x)"
+    if r is not None:
+        text += f" ({r:.2f}x)"
+    if failed:
+        counts = [(failed["requests"], "requests"), (failed["waves"], "waves")]
+        text += " FAILED " + ", ".join(f"{n} {what}" for n, what in counts if n)
+    return text
 
 
 def _paired_cell(system: str, median: float, spread: dict | None) -> str:
@@ -147,7 +196,7 @@ def table(doc: dict) -> str:
                     base = row["raw generate_step"]
                 else:
                     base = row["raw BatchGenerator"]
-                cells.append(_cell(row[system], base))
+                cells.append(_cell(row[system], base, row.get("failed", {}).get(system)))
             lines.append(f"| {row['streams']} | " + " | ".join(cells) + " |")
         paired = [
             f"{row['streams']}: "
@@ -188,6 +237,9 @@ def table(doc: dict) -> str:
                 f"({model['fraction_of_limit']:.0%}); half the gap is "
                 f"{model['half_gap_target_tok_s']:,.0f} tok/s"
             )
+    if failed := failures(doc):
+        lines.append("\nFAILED (requests that got no answer, waves that raised):")
+        lines += [f"- {line}" for line in failed]
     return "\n".join(lines)
 
 

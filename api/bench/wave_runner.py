@@ -82,8 +82,11 @@ async def record(waves: Waves, entry: dict, system: str, concurrency: int, timed
     try:
         wave = await waves.run(system, concurrency)
     except Exception as exc:
-        logger.exception("%s x%d failed", system, concurrency)
-        cell["failures"].append(f"{type(exc).__name__}: {exc}"[:500])
+        failure = f"{type(exc).__name__}: {exc}"[:500]
+        # One line a wave, its traceback only at DEBUG: a broken system fails every wave.
+        logger.error("%s x%d failed: %s", system, concurrency, failure)
+        logger.debug("%s x%d failed", system, concurrency, exc_info=True)
+        cell["failures"].append(failure)
         return
     if timed:
         cell["tok_s"].append(wave.tokens_per_s)
@@ -94,6 +97,8 @@ async def record(waves: Waves, entry: dict, system: str, concurrency: int, timed
             cell["extra"].append(wave.extra)
     else:
         cell["first_pass_s"] = wave.seconds
+        cell["first_pass_errors"] = wave.errors
+        cell["first_pass_error_kinds"] = (wave.extra or {}).get("errors") or {}
     logger.info(
         "%-20s x%-3d %-10s %6d tokens in %6.2f s = %8.1f tok/s%s",
         system,
@@ -173,7 +178,9 @@ async def open_waves(
             build = partial(build_engine, plan.quick, engine.loaded.is_quantized)
             procs = []
             for _ in range(2):
-                opened = open_process_engine(build, None, max_batch=max_batch)
+                # The tokenizer stays here: TokenIdPort makes the prompts' ids, but the HTTP
+                # side asks the port for its reply syntax and token texts.
+                opened = open_process_engine(build, engine.preparer, max_batch=max_batch)
                 inner = await stack.enter_async_context(opened)
                 procs.append(TokenIdPort(inner, plan.prompt_tokens))  # type: ignore[arg-type]
             logger.info("%s: engine processes %s started", name, [p.pid for p in procs])
@@ -284,7 +291,7 @@ async def run_waves(plan: WavePlan, out: Path) -> dict:
 
     def save() -> None:
         doc["summary"] = summarize(doc)
-        out.write_text(json.dumps(doc, indent=1))
+        results.write_json(out, doc, indent=1)
 
     tokenizer = make_tokenizer()
     start = time.perf_counter()
