@@ -235,6 +235,8 @@ def _serve() -> None:
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but answers on the pipe
+    with contextlib.suppress(OSError):
+        os.nice(10)  # the engine's steps come first: a compile waits its turn for a core
 
     def read() -> Any:
         header = stdin.read(4)
