@@ -100,7 +100,7 @@ def ensure_f32_model() -> Path:
 
     The conversion runs in a subprocess (OpenBLAS loaded first) into a temporary folder that is
     renamed into place, so an interrupted conversion leaves no half-written model behind. The
-    copy is about 520 MB: where it is and its size are logged, each run, since it stays.
+    copy is about 517 MB: where it is and its size are logged, each run, since it stays.
     """
     from ...engine.model_store import cache_root, pull_default_model
 
@@ -142,9 +142,9 @@ def ensure_f32_model() -> Path:
 
 
 def _size(directory: Path) -> str:
-    """The size of the files in ``directory``, in MB."""
+    """The size of the files in ``directory``, in MB of 2**20 bytes (as ``du -h`` counts)."""
     size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
-    return f"{size / 1e6:,.0f} MB"
+    return f"{size / 2**20:,.0f} MB"
 
 
 DEFAULT_SYSTEMS = tuple(key for key, d in SYSTEMS.items() if not d.on_request)
