@@ -9,12 +9,14 @@ stops the actors.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from functools import partial
+from typing import Any, TypeVar
 
 import trio
 
@@ -234,10 +236,10 @@ class Runtime:
             await session.run(admission)
         finally:
             del self._sessions[session.id]
+            if not self._sessions:  # first: a shutdown waits for it, whatever happens below
+                self._no_sessions.set()
             assert session.outcome is not None, "a session ends with its outcome"
             self.outcomes.record(session.id, session.lane, session.outcome)
-            if not self._sessions:
-                self._no_sessions.set()
 
     def session(self, session_id: str) -> Session | None:
         """A live session by id (for cancellation by id)."""
@@ -318,7 +320,8 @@ class Runtime:
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Close admission, let sessions finish within the grace period, cancel the rest."""
         self._closed = True
-        await self.gate.inbox.send(gate.Close())
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.gate.inbox.send(gate.Close())
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         with trio.move_on_after(grace):
             await self._no_sessions.wait()
@@ -338,18 +341,37 @@ async def _nothing() -> None:
 async def open_runtime_actors(
     engine: EnginePort, config: RuntimeConfig | None = None
 ) -> AsyncIterator[Runtime]:
-    """Start the runtime's actors; shut down gracefully on exit."""
+    """Start the runtime's actors; shut down gracefully on exit.
+
+    The actors run shielded from the caller's cancellation: a cancel scope around the block
+    that expires (a timeout, Ctrl-C) cancels the caller's code and the sessions, whose
+    cleanup still has a gate and lanes to give back to; then the shutdown (bounded by its
+    grace) ends them, and the block exits as Trio's cancellation asks."""
     runtime = Runtime(engine, config or RuntimeConfig())
+    actor_scopes: list[trio.CancelScope] = []
+
+    async def shielded(run: Callable[..., Awaitable[None]], *, task_status: Any) -> None:
+        with trio.CancelScope(shield=True) as scope:
+            actor_scopes.append(scope)
+            await run(task_status=task_status)
+
     async with trio.open_nursery() as actors:
-        await actors.start(runtime.gate.run)
-        await actors.start(runtime.arbiter.run)
-        await actors.start(runtime.serial.run)
-        await actors.start(runtime.batch_group.run)
-        async with trio.open_nursery() as sessions:
-            runtime._sessions_nursery = sessions
-            try:
-                yield runtime
-            finally:
-                with trio.CancelScope(shield=True):
-                    await runtime.shutdown()
+        for run in (
+            runtime.gate.run,
+            runtime.arbiter.run,
+            runtime.serial.run,
+            runtime.batch_group.run,
+        ):
+            await actors.start(partial(shielded, run))
+        try:
+            async with trio.open_nursery() as sessions:
+                runtime._sessions_nursery = sessions
+                try:
+                    yield runtime
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await runtime.shutdown()
+        finally:
+            for scope in actor_scopes:
+                scope.cancel()
         actors.cancel_scope.cancel()

@@ -12,6 +12,7 @@ takes the row out of the batch at the next step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -113,7 +114,11 @@ class Session:
             outcome = Failed("internal_error", f"{type(exc).__name__}: {exc}")
         finally:
             self.state = "settling"
-            with trio.move_on_after(CLEANUP_GRACE_S, shield=True):
+            with (
+                trio.move_on_after(CLEANUP_GRACE_S, shield=True),
+                # a gate that is gone (its runtime torn down) has nothing to take back
+                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+            ):
                 if permit is None:
                     permit = take_buffered(admission, gate.Permit)
                 await admission.aclose()
