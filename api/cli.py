@@ -16,13 +16,19 @@ from ..engine.params import SamplingParams
 from ..engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
 from . import bench as bench_harness
 from .chaos import command as chaos_command
+from .cli_args import NON_NEGATIVE, PORT, POSITIVE, HelpFormatter, number, seconds
 from .cli_ranks import add_rank_flags, generate_on_ranks, rank_group
 
 logger = logging.getLogger("mlx_trio.cli")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line on stderr and exit status 2."""
+    """argparse, but an error is one line on stderr and exit status 2; each flag's help
+    shows its default."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"mlx-trio: error: {message}\n")
@@ -35,13 +41,19 @@ def _add_default_flags(
     value, else OpenAI's (for ``--max-tokens``: ``max_tokens``)."""
     model = "default: the model's generation_config.json, else"
     group.add_argument(
-        "--max-tokens", *max_tokens_aliases, type=int, default=None, help=f"{model} {max_tokens}"
+        "--max-tokens",
+        *max_tokens_aliases,
+        type=POSITIVE,
+        default=None,
+        help=f"{model} {max_tokens}",
     )
-    group.add_argument("--temperature", type=float, default=None, help=f"{model} 1; 0: greedy")
-    group.add_argument("--top-p", type=float, default=None, help=f"{model} 1")
-    group.add_argument("--top-k", type=int, default=None, help=f"{model} 0 (off)")
-    group.add_argument("--min-p", type=float, default=None, help=f"{model} 0 (off)")
-    group.add_argument("--repetition-penalty", type=float, default=None, help=f"{model} 1 (off)")
+    group.add_argument("--temperature", type=number, default=None, help=f"{model} 1; 0: greedy")
+    group.add_argument("--top-p", type=number, default=None, help=f"{model} 1")
+    group.add_argument(
+        "--top-k", type=NON_NEGATIVE, default=None, help=f"{model} 0 (off); below the vocabulary"
+    )
+    group.add_argument("--min-p", type=number, default=None, help=f"{model} 0 (off)")
+    group.add_argument("--repetition-penalty", type=number, default=None, help=f"{model} 1 (off)")
 
 
 def _flag_defaults(args: argparse.Namespace) -> SamplingDefaults:
@@ -59,14 +71,18 @@ def _flag_defaults(args: argparse.Namespace) -> SamplingDefaults:
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     _add_default_flags(group, max_tokens="256")
-    group.add_argument("--presence-penalty", type=float, default=0.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--presence-penalty", type=number, default=0.0, help="-2 to 2")
+    group.add_argument("--frequency-penalty", type=number, default=0.0, help="-2 to 2")
     group.add_argument(
         "--logit-bias", type=json.loads, default={}, help="JSON object, e.g. '{\"42\": -100}'"
     )
-    group.add_argument("--seed", type=int, default=None)
+    group.add_argument(
+        "--seed", type=NON_NEGATIVE, default=None, help="reproducible sampling (default: random)"
+    )
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    group.add_argument("--stop-token-id", type=int, action="append", default=[])
+    group.add_argument(
+        "--stop-token-id", type=NON_NEGATIVE, action="append", default=[], help="(repeatable)"
+    )
 
 
 def _sampling_params(args: argparse.Namespace, defaults: SamplingDefaults) -> SamplingParams:
@@ -104,12 +120,22 @@ def _memory_limit(args: argparse.Namespace) -> MemoryLimit | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mlx-trio", description="Concurrent LLM inference on MLX and Trio.")
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
+    parser.add_argument("--log-level", default="INFO", choices=levels, help="what is logged")
+    # The same flag after the command (``mlx-trio serve --log-level DEBUG``) wins.
+    logs = _Parser(add_help=False)
+    logs.add_argument(
+        "--log-level", default=argparse.SUPPRESS, choices=levels, help="what is logged (INFO)"
     )
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_Parser, title="commands"
+    )
+    add_parser = commands.add_parser
 
-    generate = commands.add_parser("generate", help="stream a completion to stdout")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return add_parser(name, help=help, description=help, parents=[logs])
+
+    generate = command("generate", help="stream a completion to stdout")
     generate.add_argument("prompt")
     generate.add_argument(
         "--model",
@@ -118,20 +144,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     generate.add_argument("--system", default=None, help="system message (chat only)")
-    generate.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    generate.add_argument(
+        "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: a GPU if any"
+    )
     _add_memory_limit(generate)
     _add_sampling_flags(generate)
     add_rank_flags(generate)
 
-    serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve = command("serve", help="serve an OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (0: any free)")
     serve.add_argument(
         "--model",
         default=None,
         help="model directory or GGUF file (default: SmolLM2-135M-Instruct)",
     )
-    serve.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    serve.add_argument(
+        "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: a GPU if any"
+    )
     serve.add_argument(
         "--engine",
         choices=["auto", "thread", "process"],
@@ -139,14 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the model on a thread beside the server or in a process of its own "
         "(default: a process on a GPU, a thread on CPU)",
     )
-    serve.add_argument("--max-batch", type=int, default=32, help="rows per batch (1: no batching)")
     serve.add_argument(
-        "--max-live", type=int, default=None, help="admitted sessions (default 2x batch)"
+        "--max-batch", type=POSITIVE, default=32, help="rows per batch (1: no batching)"
     )
-    serve.add_argument("--max-queued", type=int, default=256, help="sessions waiting for admission")
+    serve.add_argument(
+        "--max-live", type=POSITIVE, default=None, help="admitted sessions (default 2x batch)"
+    )
+    serve.add_argument(
+        "--max-queued", type=NON_NEGATIVE, default=256, help="sessions waiting for admission"
+    )
     serve.add_argument(
         "--max-n",
-        type=int,
+        type=POSITIVE,
         default=8,
         help="the most choices a request may ask for: n times its prompts (completions)",
     )
@@ -155,61 +189,76 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("MLX_TRIO_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $MLX_TRIO_API_KEY)",
     )
-    serve.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024)
+    serve.add_argument(
+        "--max-body-bytes", type=POSITIVE, default=2 * 1024 * 1024, help="largest request body"
+    )
     _add_default_flags(
         serve.add_argument_group("sampling defaults, for what a request omits"),
         "--default-max-tokens",
         max_tokens="512 (chat), 16 (completions)",
     )
-    serve.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
     serve.add_argument(
-        "--idle-timeout", type=float, default=30.0, help="seconds a reader may stall"
+        "--request-timeout",
+        type=seconds(),
+        default=None,
+        help="seconds a request may take (default: none)",
     )
-    serve.add_argument("--step-timeout", type=float, default=60.0, help="engine step watchdog")
+    serve.add_argument(
+        "--idle-timeout", type=seconds(), default=30.0, help="seconds a reader may stall"
+    )
+    serve.add_argument(
+        "--step-timeout", type=seconds(), default=60.0, help="engine step watchdog, seconds"
+    )
     serve.add_argument(
         "--steps-per-call",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="batch steps per engine call (default: picked per call; 1 on CPU)",
     )
-    serve.add_argument("--shutdown-grace", type=float, default=10.0)
+    serve.add_argument(
+        "--shutdown-grace",
+        type=seconds(zero=True),
+        default=10.0,
+        help="seconds in-flight requests get to finish on shutdown",
+    )
     serve.add_argument(
         "--max-preparation-tokens",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="prompt tokens prefilled together (default: the device's, 1024 on CPU, 32768 GPU)",
     )
     serve.add_argument(
         "--max-iteration-tokens",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="tokens a batch step processes: one per decoding row, the rest prompt chunks "
         "(default: the device's, 256 on CPU, 8192 on GPU)",
     )
     serve.add_argument(
         "--engine-restarts",
-        type=int,
+        type=NON_NEGATIVE,
         default=5,
         help="restarts of a dead or wedged engine within 10 minutes before giving up (0: never)",
     )
     serve.add_argument(
         "--prompt-cache-bytes",
-        type=int,
+        type=NON_NEGATIVE,
         default=None,
         help="prompt cache budget (default: 1/8 of memory, at most 8 GiB; 0 turns it off)",
     )
     _add_memory_limit(serve)
     add_rank_flags(serve)
 
-    chaos = commands.add_parser(
+    chaos = command(
         "chaos", help="run a randomized workload with injected faults and check the invariants"
     )
     chaos_command.add_arguments(chaos)
 
-    pull = commands.add_parser("pull", help="fetch and import the embedded default model")
+    pull = command("pull", help="fetch and import the embedded default model")
     pull.add_argument("--force", action="store_true", help="re-download and re-import")
+    pull.set_defaults(force=False)
 
-    bench = commands.add_parser(
+    bench = command(
         "bench", help="benchmark systems x scenarios x concurrency levels (design/014-bench.md)"
     )
     bench_harness.add_arguments(bench)
@@ -282,10 +331,6 @@ def _serve(args: argparse.Namespace) -> int:
     from .http_state import HttpSettings
     from .server import ServeOptions, serve
 
-    if args.max_batch < 1:
-        raise MlxTrioError("--max-batch must be >= 1")
-    if args.steps_per_call is not None and args.steps_per_call < 1:
-        raise MlxTrioError("--steps-per-call must be >= 1")
     options = ServeOptions(
         host=args.host,
         port=args.port,
@@ -328,7 +373,11 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare ``mlx-trio``: what it can do
+        parser.print_help(sys.stderr)
+        return 2
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(message)s" if args.command == "serve" else "%(message)s",

@@ -13,6 +13,7 @@ from ..engine.errors import MlxTrioError
 from ..engine.params import SamplingParams
 from ..engine.rank_group import RankGroup
 from ..engine.sampling_defaults import SamplingDefaults
+from .cli_args import integer
 
 logger = logging.getLogger("mlx_trio.cli")
 
@@ -20,12 +21,20 @@ logger = logging.getLogger("mlx_trio.cli")
 def add_rank_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("several ranks (mx.distributed, started by mlx.launch)")
     group.add_argument(
-        "--ranks", type=int, default=None, help="run the model over N local ranks (ring backend)"
+        "--ranks",
+        type=integer(2),
+        default=None,
+        help="run the model over N local ranks, 2 or more (ring backend)",
     )
     group.add_argument(
         "--hostfile", default=None, help="mlx.launch's hostfile: ranks on these hosts instead"
     )
-    group.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor")
+    group.add_argument(
+        "--parallel",
+        choices=["tensor", "pipeline"],
+        default="tensor",
+        help="split each layer over the ranks, or the layers into stages",
+    )
     group.add_argument(
         "--distributed-backend", default="ring", help="mlx.launch's backend (ring, mpi, nccl)"
     )

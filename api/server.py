@@ -20,11 +20,13 @@ from hypercorn.trio import serve as hypercorn_serve
 from ..actors.config import RuntimeConfig
 from ..actors.port import EnginePort
 from ..engine.budget import MemoryLimit
+from ..engine.errors import InvalidRequestError, MlxTrioError
+from ..engine.params import SamplingParams
 from ..engine.rank_group import RankGroup
 from ..engine.sampling_defaults import describe
 from .http import build_app
 from .http_state import AppState, HttpSettings
-from .inprocess import freeze_startup_heap, open_runtime
+from .inprocess import RuntimeHandle, freeze_startup_heap, open_runtime
 
 logger = logging.getLogger("mlx_trio.server")
 
@@ -77,14 +79,22 @@ async def serve(
     state = AppState(options.http) if state is None else state
     stopped = trio.Event()
     async with trio.open_nursery() as nursery:
-        bound = await nursery.start(
-            partial(
-                hypercorn_serve,
-                build_app(state),
-                _hypercorn_config(options),
-                shutdown_trigger=stopped.wait,
+        try:
+            bound = await nursery.start(
+                partial(
+                    hypercorn_serve,
+                    build_app(state),
+                    _hypercorn_config(options),
+                    shutdown_trigger=stopped.wait,
+                )
             )
-        )
+        except* OSError as failed:  # the port is taken, the address is not this machine's, ...
+            exc = _first(failed)
+            why = exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+            raise MlxTrioError(
+                f"cannot listen on {options.host}:{options.port}: {why}; "
+                "choose another with --port (or --host)"
+            ) from None
         url = bound[0].replace("0.0.0.0", "127.0.0.1")
         logger.info("listening on %s (loading the model)", url)
         if options.handle_signals:
@@ -101,6 +111,7 @@ async def serve(
                 config=options.runtime,
                 ranks=options.ranks,
             ) as rt:
+                await _check_flags_against_the_model(rt, options)
                 state.runtime = rt
                 state.model_id = rt.model_id
                 freeze_startup_heap()
@@ -113,8 +124,29 @@ async def serve(
             stopped.set()
 
 
+async def _check_flags_against_the_model(rt: RuntimeHandle, options: ServeOptions) -> None:
+    """The flags only the loaded model can check (``--top-k`` below its vocabulary): one
+    line naming the flag, not a 400 on every request."""
+    top_k = options.http.sampling.top_k
+    if top_k is None:
+        return
+    try:
+        await rt.runtime.engine.prepare("check", SamplingParams(max_tokens=1, top_k=top_k))
+    except InvalidRequestError as exc:
+        raise MlxTrioError(f"--top-k: {exc.message}") from None
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first leaf of a (nested) exception group."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 async def _stop_on_signal(shutdown: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # SIGHUP too: a closed terminal or a supervisor's reload drains as a stop does.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async for _ in signals:
             shutdown.set()
             return

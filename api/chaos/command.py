@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 from ...engine.errors import MlxTrioError
+from ..cli_args import NON_NEGATIVE, POSITIVE
 from .plan import FAULT_KINDS, FaultPlan
 from .run import run_on_model, run_scripted
 
@@ -17,8 +18,12 @@ logger = logging.getLogger("mlx_trio.cli")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument(
+        "--seed", type=NON_NEGATIVE, default=0, help="the plan's seed: the same seed, the same run"
+    )
+    parser.add_argument(
+        "--requests", type=POSITIVE, default=200, help="requests in the randomized workload"
+    )
     parser.add_argument(
         "--faults", default="all", help="comma-separated fault kinds, or 'all' (see --list)"
     )
@@ -28,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run on a real model ('default' for the embedded one); default: the scripted engine",
     )
-    parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: a GPU if any"
+    )
     parser.add_argument(
         "--http",
         action="store_true",
