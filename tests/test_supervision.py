@@ -340,3 +340,35 @@ def _healthy(url: str) -> bool:
         return health(url) == 200
     except httpx.TransportError:
         return False
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_sighup_drains_a_stream_and_exits_as_sigterm_does(tmp_path):
+    """SIGHUP (a closed terminal) used to kill the server with no drain: now a stream in
+    flight is finished and the server exits 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("wb")
+    argv = [sys.executable, "-m", "mlx_trio.api.cli", "serve", "--port", str(port)]
+    server = subprocess.Popen([*argv, "--shutdown-grace", "30"], stdout=log, stderr=log)
+    try:
+        wait_for(lambda: _healthy(url), 180, "the server came up")
+        body = {
+            "model": "smollm2-135m-instruct",
+            "messages": [{"role": "user", "content": "Count to twenty."}],
+            "max_tokens": 24,
+            "stream": True,
+        }
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.send_signal(signal.SIGHUP)
+            rest = list(lines)
+        server.wait(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+        log.close()
+    assert [line for line in rest if line][-1] == "data: [DONE]"
+    assert server.returncode == 0, (tmp_path / "serve.log").read_text()[-2000:]
