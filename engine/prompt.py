@@ -39,6 +39,12 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
         "chat_template",
+        # the parameters of the calls between (mlx-lm's wrapper, transformers' renderer)
+        "self",
+        "cls",
+        "conversations",
+        "kwargs",
+        "args",
     }
 )
 
@@ -65,6 +71,12 @@ class Chat:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        odd = [k for k in self.template_kwargs if not (isinstance(k, str) and k.isidentifier())]
+        if odd:  # a template's variables are names
+            raise InvalidRequestError(
+                f"chat_template_kwargs keys must be names, got {odd[0]!r}",
+                param="chat_template_kwargs",
+            )
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs))
         if reserved:
             raise InvalidRequestError(
@@ -128,6 +140,13 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
                 [template_message(m) for m in messages], add_generation_prompt=True, **kwargs
             )
         )
+    except TypeError as exc:  # a key that is a parameter of some call on the way
+        if not chat.template_kwargs or "argument" not in str(exc):
+            raise
+        raise InvalidRequestError(
+            f"chat_template_kwargs may not set what the template call takes itself ({exc})",
+            param="chat_template_kwargs",
+        ) from None
     except Exception as exc:  # jinja2's errors, raised by the model's own template
         if type(exc).__module__.split(".")[0] != "jinja2":
             raise

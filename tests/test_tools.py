@@ -307,3 +307,12 @@ def test_a_model_with_its_own_tool_format_is_parsed_with_its_parser():
     pieces = split(syntax.splitter((), [TIME], ToolChoice("auto")), reply, 4)
     assert pieces[0] == Content("Sure.")
     assert pieces[1].call.name == "get_time" and json.loads(pieces[1].call.arguments) == {}
+
+
+@pytest.mark.parametrize("key", ["self", "conversations", "kwargs", "not a name", "1x"])
+def test_chat_template_kwargs_that_collide_with_the_calls_are_refused(key):
+    """``{"self": 1}`` was a 500 (a TypeError of the call chain) that the openai SDK retried."""
+    tokenizer = tokenizer_with(TOOLS_TEMPLATE)
+    with pytest.raises(InvalidRequestError) as caught:
+        text_of(tokenizer, Chat((ChatMessage("user", "hi"),), template_kwargs={key: 1}))
+    assert caught.value.param == "chat_template_kwargs"
