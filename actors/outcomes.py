@@ -48,7 +48,8 @@ class OutcomeTally:
             t = outcome.timings
             timings = f" queued={t.queued_s:.3f}s prefill={seconds(t.prefill_s)}"
             timings += f" decode={t.decode_s:.3f}s"
-        logger.info(
+        # DEBUG: the HTTP server logs each request once, its choices' outcomes included.
+        logger.debug(
             "session %s lane=%s %s completion_tokens=%s%s",
             session_id,
             lane,

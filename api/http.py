@@ -53,6 +53,7 @@ class EdgeMiddleware:
             return
         error = self._check(scope)
         if error is not None:
+            log_refusal(scope["method"], scope["path"], error)
             await error.response()(scope, receive, send)
             return
         try:
@@ -62,6 +63,9 @@ class EdgeMiddleware:
 
     def _check(self, scope: Scope) -> HttpError | None:
         headers = scope["headers"]
+        if b"%2f" in scope.get("raw_path", b"").lower():
+            # Routing sees the decoded path, where a proxy's rule sees this one: neither wins.
+            return HttpError(404, "Not Found: an encoded '/' in the path", code="not_found")
         if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:
             return HttpError(431, f"request headers are over {MAX_HEADER_BYTES} bytes")
         if self.expected is None or scope["path"] == "/health":
@@ -76,16 +80,33 @@ class EdgeMiddleware:
         )
 
 
+def log_refusal(method: str, path: str, error: HttpError) -> None:
+    """A refused request's one log line (an admitted one's is ``Exchange.log``'s)."""
+    body = error.body.get("error", {})
+    logger.info(
+        "%s %s status=%d outcome=refused type=%s param=%s code=%s",
+        method,
+        path,
+        error.status,
+        body.get("type"),
+        body.get("param"),
+        body.get("code"),
+    )
+
+
 def build_app(state: AppState) -> ASGIApp:
     api = Api(state)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HttpError)
+        log_refusal(request.method, request.url.path, exc)
         return exc.response()
 
     async def starlette_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return HttpError(exc.status_code, str(exc.detail)).response()
+        error = HttpError(exc.status_code, str(exc.detail))
+        log_refusal(request.method, request.url.path, error)
+        return error.response()
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         """Anything else a handler raises: a bug, answered in OpenAI's shape (Starlette's own
