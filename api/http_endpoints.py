@@ -37,6 +37,9 @@ B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 MAX_ECHOED_MODEL = 64  # characters of an unknown model's name said back
 
 
+MAX_MESSAGES = 4096  # a chat's messages; each costs validation and template rendering
+
+
 class Api:
     """The request handlers, over the app's state; ``build_app`` routes to them."""
 
@@ -56,7 +59,15 @@ class Api:
         return self.state.runtime
 
     async def chat(self, request: Request) -> Response:
-        body = checked(parse(ChatCompletionRequest, await self._read(request)))
+        data = await self._read(request)
+        messages = data.get("messages")
+        if isinstance(messages, list) and len(messages) > MAX_MESSAGES:  # before pydantic
+            raise HttpError(
+                400,
+                f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}",
+                param="messages",
+            )
+        body = checked(parse(ChatCompletionRequest, data))
         return await self._generate(request, "chat", body, 1, lambda: [body.chat()])
 
     async def completions(self, request: Request) -> Response:

@@ -31,7 +31,7 @@ from .loader import LoadedModel, load_model
 from .memory import ModelMemory, measure_model
 from .outputs import Delta, GenerationStats
 from .params import PreparedRequest, SamplingParams
-from .prompt import Prompt, check_fits, encode_prompt
+from .prompt import Prompt, check_fits, check_length_before_rendering, encode_prompt
 from .prompt_cache import PromptCache, default_budget_bytes
 from .reply import ReplySyntax
 from .row import RowDecoder
@@ -127,6 +127,7 @@ class RequestPreparer:
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Tokenize and check a request; raises :class:`InvalidRequestError` subclasses."""
         self.check_params(params)
+        check_length_before_rendering(prompt, self.context_length)
         tokens = encode_prompt(self.tokenizer, prompt)
         if not tokens:
             raise InvalidRequestError("prompt encodes to no tokens", param="prompt")
