@@ -146,6 +146,22 @@ async def test_a_call_far_past_its_allowance_is_a_wedged_engine_killed_and_repla
         assert port.liveness().generation == 1
 
 
+async def test_an_engine_stopped_while_idle_is_found_without_a_request(autojump_clock):
+    """SIGSTOP on an idle engine process kept /health at 200 until a request came and
+    failed: the supervisor probes an idle engine and replaces one that does not answer."""
+    engines = FakeEngines()
+    policy = RestartPolicy(probe_after_s=2.0, probe_timeout_s=5.0)
+    async with supervised(engines, policy) as port:
+        await trio.sleep(10)
+        assert port.liveness().is_up and len(engines.started) == 1  # probes answered
+        engines.started[0].hang = True  # stopped: no call is answered any more
+        await wait_until(lambda: not port.liveness().is_up, timeout_s=2.0 + 5.0 + 1.0)
+        assert "did not answer" in (port.liveness().last_cause or "")
+        assert engines.started[0].killed
+        await wait_until(lambda: port.liveness().is_up)
+        assert port.liveness().generation == 1
+
+
 async def test_a_crash_loop_gives_up_after_max_restarts_and_says_so(autojump_clock, caplog):
     engines = FakeEngines(fail_from=1)  # the first engine runs; no restart ever starts
     policy = RestartPolicy(max_restarts=3, first_backoff_s=1.0)

@@ -118,6 +118,11 @@ class CallClock:
                 self._allowances.popleft()
             self._oldest_since = self._now()  # the next call begins now
 
+    def idle_s(self) -> float:
+        """Seconds since the last call was answered, with none pending (0: one is)."""
+        with self._lock:
+            return 0.0 if self._allowances else self._now() - self._oldest_since
+
     def clear(self) -> None:
         """No call will be answered (the core is gone)."""
         with self._lock:

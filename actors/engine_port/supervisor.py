@@ -25,7 +25,9 @@ The first start is not retried: if the model cannot load at all, the caller gets
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ...engine.calls import EngineStarted
+from ...engine.calls import EngineStarted, RunFunction
 from ..port import EngineLiveness
 from .port import CorePort, Transport
 
@@ -55,6 +57,10 @@ class RestartPolicy:
     step_timeout_s: float = 60.0  # the lanes' watchdog: a call's allowance is steps x this
     wedge_grace_s: float = 1.0
     poll_s: float = 0.05
+    # An engine process idle this long is asked to answer a no-op within probe_timeout_s: one
+    # stopped (SIGSTOP) or wedged while idle is found without a request waiting on it.
+    probe_after_s: float = 2.0
+    probe_timeout_s: float = 5.0
 
 
 class EngineSupervisor:
@@ -122,15 +128,36 @@ class EngineSupervisor:
             await trio.sleep(backoff)
 
     async def _watch(self, transport: Transport) -> tuple[str, bool]:
-        """Until the engine dies or wedges: why, and whether it wedged (so must be killed)."""
+        """Until the engine dies or wedges: why, and whether it wedged (so must be killed).
+        An engine process that sits idle is probed (``RestartPolicy.probe_after_s``)."""
         policy = self.policy
-        while True:
-            await trio.sleep(policy.poll_s)
-            if (death := transport.death()) is not None:
-                return death, False
-            overdue = transport.clock.overdue_s(policy.step_timeout_s)
-            if overdue > policy.wedge_grace_s:
-                return f"an engine call ran {overdue:.1f} s past its allowance (wedged)", True
+        probe_sent: list[float] = []  # when the probe in flight was sent
+
+        async def probe() -> None:
+            probe_sent.append(trio.current_time())
+            with contextlib.suppress(Exception):  # a dead engine: the loop sees its death
+                await transport.call(RunFunction(os.getpid, ()))
+            probe_sent.clear()
+
+        async with trio.open_nursery() as probes:
+            while True:
+                await trio.sleep(policy.poll_s)
+                if (death := transport.death()) is not None:
+                    probes.cancel_scope.cancel()
+                    return death, False
+                overdue = transport.clock.overdue_s(policy.step_timeout_s)
+                if overdue > policy.wedge_grace_s:
+                    probes.cancel_scope.cancel()
+                    return f"an engine call ran {overdue:.1f} s past its allowance (wedged)", True
+                if transport.pid is None:  # a thread: it cannot stop while idle
+                    continue
+                if probe_sent and trio.current_time() - probe_sent[0] > policy.probe_timeout_s:
+                    probes.cancel_scope.cancel()
+                    why = f"the idle engine did not answer within {policy.probe_timeout_s:g} s"
+                    return f"{why} (stopped or wedged)", True
+                if not probe_sent and transport.clock.idle_s() > policy.probe_after_s:
+                    probes.start_soon(probe)
+        raise AssertionError("unreachable")
 
     def _may_restart(self) -> bool:
         now = trio.current_time()
