@@ -156,7 +156,7 @@ def curl_example(url: str, model_id: str, api_key: str | None) -> str:
     auth = " -H 'Authorization: Bearer $MLX_TRIO_API_KEY'" if api_key else ""
     body = (
         f'{{"model": "{model_id}", "messages": [{{"role": "user", '
-        f'"content": "What is the capital of France?"}}], "max_tokens": 32}}'
+        f'"content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
     )
     return (
         f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
