@@ -50,6 +50,26 @@ class ServeOptions:
     handle_signals: bool = True
 
 
+def serve_http11_only() -> None:
+    """Hypercorn switches a cleartext connection to HTTP/2 on the HTTP/2 preface or on
+    ``Upgrade: h2c``, with no setting to refuse it, and then never times the connection out
+    while it is idle (its HTTP/2 side sends no idle event until a stream ends): an idle HTTP/2
+    connection, or one that sent half a HEADERS frame, stayed open 150 s and more where
+    HTTP/1.1 closes at 5 s. An OpenAI-style API needs no cleartext HTTP/2, so the check that
+    switches is turned off: ``Upgrade: h2c`` is ignored (RFC 9110 lets a server), and the
+    preface is a request HTTP/1.1 refuses. (TLS, where HTTP/2 comes by ALPN, is not served.)"""
+    from hypercorn.protocol.h11 import H11Protocol
+
+    if not hasattr(H11Protocol, "_check_protocol"):  # a Hypercorn that changed: say so
+        logger.warning("could not turn off Hypercorn's switch to cleartext HTTP/2")
+        return
+
+    async def no_switch(self: H11Protocol, event: object) -> None:
+        return None
+
+    H11Protocol._check_protocol = no_switch  # type: ignore[method-assign]
+
+
 def _hypercorn_config(options: ServeOptions) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"{options.host}:{options.port}"]
@@ -77,6 +97,7 @@ async def serve(
     """
     shutdown = trio.Event() if shutdown is None else shutdown
     state = AppState(options.http) if state is None else state
+    serve_http11_only()
     stopped = trio.Event()
     async with trio.open_nursery() as nursery:
         try:
