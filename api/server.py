@@ -9,6 +9,7 @@ loaded, the startup heap is frozen out of the garbage collector's way (``freeze_
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from dataclasses import dataclass, field
 from functools import partial
@@ -117,9 +118,9 @@ async def serve(
                 "choose another with --port (or --host)"
             ) from None
         url = bound[0].replace("0.0.0.0", "127.0.0.1")
-        logger.info("listening on %s (loading the model)", url)
         if options.handle_signals:
-            nursery.start_soon(_stop_on_signal, shutdown)
+            await nursery.start(_stop_on_signal, shutdown, state)
+        logger.info("listening on %s (loading the model)", url)
         task_status.started(url)
         try:
             async with open_runtime(
@@ -165,10 +166,25 @@ def _first(group: BaseExceptionGroup) -> BaseException:
     return exc
 
 
-async def _stop_on_signal(shutdown: trio.Event) -> None:
-    # SIGHUP too: a closed terminal or a supervisor's reload drains as a stop does.
+async def _stop_on_signal(
+    shutdown: trio.Event,
+    state: AppState,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """A signal drains the server; SIGHUP too (a closed terminal, a supervisor's reload). One
+    that comes while the model loads ends the process at once: nothing is served yet, and the
+    load (MLX's, on a thread) cannot be interrupted, so waiting for it ignored the signal for
+    as long as the load took."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
-        async for _ in signals:
+        task_status.started()
+        async for signum in signals:
+            if state.runtime is None:
+                name = signal.Signals(signum).name
+                logger.warning("%s while the model loads: stopping now", name)
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                os._exit(128 + signum)
             shutdown.set()
             return
 

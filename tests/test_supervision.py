@@ -388,3 +388,25 @@ def test_sighup_drains_a_stream_and_exits_as_sigterm_does(tmp_path):
         log.close()
     assert [line for line in rest if line][-1] == "data: [DONE]"
     assert server.returncode == 0, (tmp_path / "serve.log").read_text()[-2000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_sigterm_during_the_model_load_stops_the_server_at_once(tmp_path):
+    """SIGTERM while the model loads was ignored until the load ended."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "mlx_trio.api.cli", "serve", "--port", str(port)]
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=log)
+        try:
+            wait_for(lambda: "(loading the model)" in log_path.read_text(), 60, "it listened")
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=5)  # the load takes longer than this on 2 cores
+        finally:
+            if server.poll() is None:
+                server.kill()
+    text = log_path.read_text()
+    assert server.returncode == 128 + signal.SIGTERM, text[-2000:]
+    assert "SIGTERM while the model loads: stopping now" in text
+    assert "serving model" not in text
