@@ -1,4 +1,5 @@
-"""The README's Python examples run as written, on the real default model."""
+"""The README's Python examples run as written, on the real default model; its links and the
+docs' lead somewhere."""
 
 from __future__ import annotations
 
@@ -13,11 +14,49 @@ from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.api.server import ServeOptions
 from tests.server_thread import ServerThread, model_id
 
-README = Path(__file__).parent.parent / "README.md"
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+
+
+def anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_first_commands_are_setup_and_serve_then_setup_and_the_tests():
+    first = re.search(r"```sh\n(.*?)```", README.read_text(), flags=re.DOTALL)[1]
+    assert first.splitlines() == [
+        "scripts/setup.sh && .venv/bin/mlx-trio serve",
+        "scripts/setup.sh --test && .venv/bin/pytest",
+    ]
+
+
+def test_the_openai_sdk_install_is_said_before_the_first_python_example():
+    """scripts/setup.sh installs no openai: the first example ended in ModuleNotFoundError."""
+    text = README.read_text()
+    before = text[: text.index("```python")]
+    assert ".venv/bin/pip install openai" in before
+    extras = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^client = \["openai>=[\d.]+"\]$', extras, flags=re.M)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_and_image_exists(page):
+    links = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+    for link in links:
+        if re.match(r"https?://", link):
+            continue
+        path, _, fragment = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        assert target.is_file(), f"{page.name}: {link}"
+        if fragment:
+            headings = re.findall(r"^#+ (.*)$", target.read_text(), flags=re.M)
+            assert fragment in {anchor(h) for h in headings}, f"{page.name}: {link}"
 
 
 @pytest.mark.e2e
