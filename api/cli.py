@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -11,12 +10,31 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ..engine.budget import MemoryLimit
-from ..engine.errors import MlxTrioError
-from ..engine.params import SamplingParams
+from ..engine.errors import InvalidRequestError, MlxTrioError
+from ..engine.params import MAX_STOP_STRINGS, SamplingParams
 from ..engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
 from . import bench as bench_harness
 from .chaos import command as chaos_command
-from .cli_args import NON_NEGATIVE, PORT, POSITIVE, HelpFormatter, number, seconds
+from .cli_args import (
+    MAX_BYTES,
+    MAX_ROWS,
+    MAX_SESSIONS,
+    MAX_TOKENS,
+    PORT,
+    SEED,
+    TOKENS,
+    HelpFormatter,
+    flag_of,
+    integer,
+    logit_bias,
+    memory_limit,
+    model,
+    model_refused,
+    nonempty,
+    number,
+    sampling,
+    seconds,
+)
 from .cli_ranks import add_rank_flags, generate_on_ranks, rank_group
 
 logger = logging.getLogger("mlx_trio.cli")
@@ -39,21 +57,44 @@ def _add_default_flags(
 ) -> None:
     """The flags over the model's ``generation_config.json``; one not given takes the model's
     value, else OpenAI's (for ``--max-tokens``: ``max_tokens``)."""
-    model = "default: the model's generation_config.json, else"
+    fallback = "default: the model's generation_config.json, else"
     group.add_argument(
         "--max-tokens",
         *max_tokens_aliases,
-        type=POSITIVE,
+        type=TOKENS,
         default=None,
-        help=f"{model} {max_tokens}",
+        help=f"new tokens at most; {fallback} {max_tokens}",
     )
-    group.add_argument("--temperature", type=number, default=None, help=f"{model} 1; 0: greedy")
-    group.add_argument("--top-p", type=number, default=None, help=f"{model} 1")
     group.add_argument(
-        "--top-k", type=NON_NEGATIVE, default=None, help=f"{model} 0 (off); below the vocabulary"
+        "--temperature",
+        type=sampling("temperature", number),
+        default=None,
+        help=f"0 to 2, 0: greedy; {fallback} 1",
     )
-    group.add_argument("--min-p", type=number, default=None, help=f"{model} 0 (off)")
-    group.add_argument("--repetition-penalty", type=number, default=None, help=f"{model} 1 (off)")
+    group.add_argument(
+        "--top-p",
+        type=sampling("top_p", number),
+        default=None,
+        help=f"above 0 to 1; {fallback} 1",
+    )
+    group.add_argument(
+        "--top-k",
+        type=integer(0, MAX_TOKENS),
+        default=None,
+        help=f"0 (off) or below the vocabulary size; {fallback} 0",
+    )
+    group.add_argument(
+        "--min-p",
+        type=sampling("min_p", number),
+        default=None,
+        help=f"0 (off) to 1; {fallback} 0",
+    )
+    group.add_argument(
+        "--repetition-penalty",
+        type=sampling("repetition_penalty", number),
+        default=None,
+        help=f"above 0 to 2, 1: off; {fallback} 1",
+    )
 
 
 def _flag_defaults(args: argparse.Namespace) -> SamplingDefaults:
@@ -71,32 +112,46 @@ def _flag_defaults(args: argparse.Namespace) -> SamplingDefaults:
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     _add_default_flags(group, max_tokens="256")
-    group.add_argument("--presence-penalty", type=number, default=0.0, help="-2 to 2")
-    group.add_argument("--frequency-penalty", type=number, default=0.0, help="-2 to 2")
     group.add_argument(
-        "--logit-bias", type=json.loads, default={}, help="JSON object, e.g. '{\"42\": -100}'"
+        "--presence-penalty", type=sampling("presence_penalty", number), default=0.0, help="-2 to 2"
     )
     group.add_argument(
-        "--seed", type=NON_NEGATIVE, default=None, help="reproducible sampling (default: random)"
+        "--frequency-penalty",
+        type=sampling("frequency_penalty", number),
+        default=0.0,
+        help="-2 to 2",
     )
-    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument(
-        "--stop-token-id", type=NON_NEGATIVE, action="append", default=[], help="(repeatable)"
+        "--logit-bias",
+        type=logit_bias,
+        default={},
+        help="JSON object of token id to bias, -100 to 100, e.g. '{\"42\": -100}' (default: none)",
+    )
+    group.add_argument(
+        "--seed", type=SEED, default=None, help="reproducible sampling (default: random)"
+    )
+    group.add_argument(
+        "--stop",
+        type=nonempty("a stop string"),
+        action="append",
+        default=[],
+        help=f"stop string, up to {MAX_STOP_STRINGS} (repeatable; default: none)",
+    )
+    group.add_argument(
+        "--stop-token-id",
+        type=integer(0, MAX_TOKENS),
+        action="append",
+        default=[],
+        help="stop at this token (repeatable; default: the model's end tokens only)",
     )
 
 
 def _sampling_params(args: argparse.Namespace, defaults: SamplingDefaults) -> SamplingParams:
     """The flags' params, ``defaults`` for the sampling flags not given."""
-    if not isinstance(args.logit_bias, dict):
-        raise MlxTrioError("--logit-bias must be a JSON object of token id to bias")
-    try:
-        logit_bias = {int(k): float(v) for k, v in args.logit_bias.items()}
-    except (TypeError, ValueError) as exc:
-        raise MlxTrioError(f"--logit-bias: {exc}") from None
     return defaults.params(
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
-        logit_bias=logit_bias,
+        logit_bias=args.logit_bias,
         seed=args.seed,
         stop=tuple(args.stop),
         stop_token_ids=tuple(args.stop_token_id),
@@ -106,6 +161,7 @@ def _sampling_params(args: argparse.Namespace, defaults: SamplingDefaults) -> Sa
 def _add_memory_limit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory-limit",
+        type=memory_limit,
         default=None,
         help="memory budget: bytes (6GB, 512MiB) or a share of the device's memory (0.3, 30%%); "
         "weights, activations and KV cache stay within it, requests wait for KV room "
@@ -114,18 +170,25 @@ def _add_memory_limit(parser: argparse.ArgumentParser) -> None:
 
 
 def _memory_limit(args: argparse.Namespace) -> MemoryLimit | None:
-    """``--memory-limit`` parsed (a bad one is refused before the model loads)."""
-    return None if args.memory_limit is None else MemoryLimit.parse(args.memory_limit)
+    """``--memory-limit`` (parsed and checked as the flags are)."""
+    limit: MemoryLimit | None = args.memory_limit
+    return limit
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mlx-trio", description="Concurrent LLM inference on MLX and Trio.")
     levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
-    parser.add_argument("--log-level", default="INFO", choices=levels, help="what is logged")
-    # The same flag after the command (``mlx-trio serve --log-level DEBUG``) wins.
+    parser.add_argument(
+        "--log-level", type=str.upper, default="INFO", choices=levels, help="what is logged"
+    )
+    # The same flag after the command (``mlx-trio serve --log-level debug``) wins.
     logs = _Parser(add_help=False)
     logs.add_argument(
-        "--log-level", default=argparse.SUPPRESS, choices=levels, help="what is logged (INFO)"
+        "--log-level",
+        type=str.upper,
+        default=argparse.SUPPRESS,
+        choices=levels,
+        help="what is logged (default: INFO)",
     )
     commands = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=_Parser, title="commands"
@@ -136,14 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
         return add_parser(name, help=help, description=help, parents=[logs])
 
     generate = command("generate", help="stream a completion to stdout")
-    generate.add_argument("prompt")
+    generate.add_argument("prompt", help="the user's message (with --raw: the text to continue)")
     generate.add_argument(
         "--model",
+        type=model,
         default=None,
         help="model directory or GGUF file (default: SmolLM2-135M-Instruct)",
     )
     generate.add_argument("--raw", action="store_true", help="plain completion, no chat template")
-    generate.add_argument("--system", default=None, help="system message (chat only)")
+    generate.add_argument(
+        "--system", default=None, help="system message (chat only; default: none)"
+    )
     generate.add_argument(
         "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: a GPU if any"
     )
@@ -152,10 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_rank_flags(generate)
 
     serve = command("serve", help="serve an OpenAI-compatible HTTP API")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument(
+        "--host", type=nonempty("--host"), default="127.0.0.1", help="address to listen on"
+    )
     serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (0: any free)")
     serve.add_argument(
         "--model",
+        type=model,
         default=None,
         help="model directory or GGUF file (default: SmolLM2-135M-Instruct)",
     )
@@ -170,27 +239,40 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: a process on a GPU, a thread on CPU)",
     )
     serve.add_argument(
-        "--max-batch", type=POSITIVE, default=32, help="rows per batch (1: no batching)"
+        "--max-batch",
+        type=integer(1, MAX_ROWS),
+        default=32,
+        help="rows per batch (1: no batching)",
     )
     serve.add_argument(
-        "--max-live", type=POSITIVE, default=None, help="admitted sessions (default 2x batch)"
+        "--max-live",
+        type=integer(1, MAX_SESSIONS),
+        default=None,
+        help="admitted sessions (default: 2x --max-batch, at least 4)",
     )
     serve.add_argument(
-        "--max-queued", type=NON_NEGATIVE, default=256, help="sessions waiting for admission"
+        "--max-queued",
+        type=integer(0, MAX_SESSIONS),
+        default=256,
+        help="sessions waiting for admission",
     )
     serve.add_argument(
         "--max-n",
-        type=POSITIVE,
+        type=integer(1, MAX_ROWS),
         default=8,
         help="the most choices a request may ask for: n times its prompts (completions)",
     )
     serve.add_argument(
         "--api-key",
-        default=os.environ.get("MLX_TRIO_API_KEY"),
+        type=nonempty("--api-key"),
+        default=os.environ.get("MLX_TRIO_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' (default: $MLX_TRIO_API_KEY)",
     )
     serve.add_argument(
-        "--max-body-bytes", type=POSITIVE, default=2 * 1024 * 1024, help="largest request body"
+        "--max-body-bytes",
+        type=integer(1024, 1 << 30),
+        default=2 * 1024 * 1024,
+        help="largest request body, 1 KiB to 1 GiB",
     )
     _add_default_flags(
         serve.add_argument_group("sampling defaults, for what a request omits"),
@@ -211,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--steps-per-call",
-        type=POSITIVE,
+        type=integer(1, 1024),
         default=None,
         help="batch steps per engine call (default: picked per call; 1 on CPU)",
     )
@@ -223,26 +305,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-preparation-tokens",
-        type=POSITIVE,
+        type=TOKENS,
         default=None,
         help="prompt tokens prefilled together (default: the device's, 1024 on CPU, 32768 GPU)",
     )
     serve.add_argument(
         "--max-iteration-tokens",
-        type=POSITIVE,
+        type=TOKENS,
         default=None,
         help="tokens a batch step processes: one per decoding row, the rest prompt chunks "
         "(default: the device's, 256 on CPU, 8192 on GPU)",
     )
     serve.add_argument(
         "--engine-restarts",
-        type=NON_NEGATIVE,
+        type=integer(0, 1000),
         default=5,
         help="restarts of a dead or wedged engine within 10 minutes before giving up (0: never)",
     )
     serve.add_argument(
         "--prompt-cache-bytes",
-        type=NON_NEGATIVE,
+        type=integer(0, MAX_BYTES),
         default=None,
         help="prompt cache budget (default: 1/8 of memory, at most 8 GiB; 0 turns it off)",
     )
@@ -274,7 +356,6 @@ def _generate(args: argparse.Namespace) -> int:
     from ..engine.prompt import ChatMessage
 
     flags = _flag_defaults(args)
-    _sampling_params(args, flags)  # a bad flag is refused before the model loads
     ranks = rank_group(args)
     if ranks is not None:
         return generate_on_ranks(
@@ -299,7 +380,10 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = [ChatMessage("user", args.prompt)]
         if args.system is not None:
             prompt.insert(0, ChatMessage("system", args.system))
-    request = engine.prepare(prompt, params)
+    try:
+        request = engine.prepare(prompt, params)
+    except InvalidRequestError as exc:  # --top-k, token ids: only the model knows its vocabulary
+        raise model_refused(exc) from None
     if budget is not None:
         apply_budget(budget)
         field = "prompt" if args.raw else "messages"
@@ -378,6 +462,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:  # a bare ``mlx-trio``: what it can do
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "generate":  # what no one flag's check sees: five --stop strings
+        try:
+            _sampling_params(args, _flag_defaults(args))
+        except InvalidRequestError as exc:
+            parser.error(f"argument {flag_of(exc.param)}: {exc.message}")
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(message)s" if args.command == "serve" else "%(message)s",

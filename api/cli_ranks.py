@@ -9,25 +9,30 @@ import sys
 from collections.abc import Callable
 
 from ..engine.budget import MemoryLimit
-from ..engine.errors import MlxTrioError
+from ..engine.errors import InvalidRequestError, MlxTrioError
 from ..engine.params import SamplingParams
 from ..engine.rank_group import RankGroup
 from ..engine.sampling_defaults import SamplingDefaults
-from .cli_args import integer
+from .cli_args import DISTRIBUTED_BACKENDS, hostfile, integer, model_refused
 
 logger = logging.getLogger("mlx_trio.cli")
+
+MAX_LOCAL_RANKS = 256  # processes on this machine; more hosts: --hostfile
 
 
 def add_rank_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("several ranks (mx.distributed, started by mlx.launch)")
     group.add_argument(
         "--ranks",
-        type=integer(2),
+        type=integer(2, MAX_LOCAL_RANKS),
         default=None,
-        help="run the model over N local ranks, 2 or more (ring backend)",
+        help=f"run the model over N local ranks, 2 to {MAX_LOCAL_RANKS} (default: one process)",
     )
     group.add_argument(
-        "--hostfile", default=None, help="mlx.launch's hostfile: ranks on these hosts instead"
+        "--hostfile",
+        type=hostfile,
+        default=None,
+        help="mlx.launch's JSON hostfile: ranks on these hosts instead (default: none)",
     )
     group.add_argument(
         "--parallel",
@@ -36,7 +41,10 @@ def add_rank_flags(parser: argparse.ArgumentParser) -> None:
         help="split each layer over the ranks, or the layers into stages",
     )
     group.add_argument(
-        "--distributed-backend", default="ring", help="mlx.launch's backend (ring, mpi, nccl)"
+        "--distributed-backend",
+        choices=DISTRIBUTED_BACKENDS,
+        default="ring",
+        help="mlx.launch's backend",
     )
 
 
@@ -77,7 +85,10 @@ def generate_on_ranks(
             if not args.raw:
                 system = () if args.system is None else (ChatMessage("system", args.system),)
                 prompt = (*system, ChatMessage("user", args.prompt))
-            handle = await rt.submit(GenerationRequest(prompt, params))
+            try:
+                handle = await rt.submit(GenerationRequest(prompt, params))
+            except InvalidRequestError as exc:  # --top-k past the vocabulary, ...
+                raise model_refused(exc) from None
             async for event in handle:
                 if isinstance(event, TextDelta):
                     sys.stdout.write(event.text)

@@ -22,12 +22,24 @@ def mlx_trio(*args: str) -> subprocess.CompletedProcess[str]:
     [
         (["generate", "hi", "--bogus"], "mlx-trio: error: unrecognized arguments: --bogus"),
         (["generate", "hi", "--max-tokens", "lots"], "mlx-trio: error: argument --max-tokens"),
-        (["generate", "hi", "--temperature", "5"], "mlx-trio: error: temperature must be in"),
-        (["generate", "hi", "--model", "/no/such/model"], "mlx-trio: error: model not found"),
+        (
+            ["generate", "hi", "--temperature", "5"],
+            "mlx-trio: error: argument --temperature: temperature must be in [0, 2], got 5.0",
+        ),
+        (
+            ["generate", "hi", "--model", "/no/such/model"],
+            "mlx-trio: error: argument --model: model not found: /no/such/model",
+        ),
         (["serve", "--steps-per-call", "0"], "mlx-trio: error: argument --steps-per-call: must"),
-        (["generate", "hi", "--memory-limit", "lots"], "mlx-trio: error: memory_limit must be"),
-        (["serve", "--memory-limit", "150%"], "mlx-trio: error: memory_limit must be"),
-        (["chaos", "--faults", "step_error,bogus"], "mlx-trio: error: unknown fault kinds"),
+        (
+            ["generate", "hi", "--memory-limit", "lots"],
+            "mlx-trio: error: argument --memory-limit: memory_limit must be",
+        ),
+        (["serve", "--memory-limit", "150%"], "mlx-trio: error: argument --memory-limit: memory"),
+        (
+            ["chaos", "--faults", "step_error,bogus"],
+            "mlx-trio: error: argument --faults: unknown fault kinds ['bogus']; see --list",
+        ),
         (["chaos", "--http", "--requests", "0"], "mlx-trio: error: argument --requests: must"),
     ],
 )
@@ -40,21 +52,27 @@ def test_bad_invocations_print_one_line_and_exit_non_zero(args, message, tmp_pat
     assert lines[0].startswith(message)
 
 
-def test_serve_with_a_model_it_cannot_load_ends_with_one_error_line():
-    # serve listens before it loads, so the error comes out of a Trio nursery's group.
-    result = mlx_trio("serve", "--model", "/no/such/model", "--port", "0")
+def test_serve_with_a_model_it_cannot_load_ends_with_one_error_line(tmp_path):
+    # serve listens before it loads, so the error comes out of a Trio nursery's group. The
+    # directory passes the flag's check (a config.json object) but holds no weights.
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    result = mlx_trio("serve", "--model", str(tmp_path), "--port", "0", "--device", "cpu")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("mlx-trio: error: model not found")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"mlx-trio: error: mlx-lm could not load model '{tmp_path.name}'")
+    )
 
 
 def test_a_file_that_is_not_a_model_is_refused(tmp_path):
     bogus = tmp_path / "weights.gguf"
     bogus.write_bytes(b"not a gguf file at all")
     result = mlx_trio("generate", "hi", "--model", str(bogus))
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"mlx-trio: error: not a model directory or a GGUF file: {bogus}"
+        f"mlx-trio: error: argument --model: not a model directory or a GGUF file: {bogus}"
     ]
 
 

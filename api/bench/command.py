@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from ..cli_args import MAX_ROWS, integer, json_file, model_directory, program, seconds
 from . import report, suite_plot, wave_report
 from .log_kinds import once_per_kind
 from .results import write_json
@@ -51,6 +52,8 @@ GPU_ONLY = (
     "budget_s",
     "warmup_only",
 )
+# --max-tokens and --prompt-tokens: together within the GPU run's model's context (131,072)
+MAX_BENCH_TOKENS = 65_536
 # Loggers that would write a line per request or session in the GPU run's own process.
 GPU_QUIET = ("hypercorn.error", "mlx_trio.server", "mlx_trio.http", "mlx_trio.actors")
 
@@ -60,8 +63,8 @@ def _levels(text: str) -> list[int]:
         levels = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
-    if not levels or levels[0] < 1:
-        raise argparse.ArgumentTypeError("at least one level, each at least 1")
+    if not levels or levels[0] < 1 or levels[-1] > MAX_ROWS:
+        raise argparse.ArgumentTypeError(f"at least one level, each from 1 to {MAX_ROWS}")
     return levels
 
 
@@ -87,6 +90,14 @@ def _scenarios(text: str) -> list[Scenario]:
         return parse_scenarios(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _saved_run(text: str) -> Path:
+    """A results JSON of either run: the suite's (``systems``) or the GPU run's (``models``)."""
+    path = json_file(text)
+    if not {"systems", "models"} & json.loads(path.read_text()).keys():
+        raise argparse.ArgumentTypeError(f"{text} is not a results JSON of either run")
+    return path
 
 
 def add_arguments(
@@ -119,29 +130,29 @@ def add_arguments(
     )
     parser.add_argument(
         "--max-tokens",
-        type=int,
+        type=integer(1, MAX_BENCH_TOKENS),
         default=None,
         help=f"new tokens per stream (default: the scenario's; --gpu {WavePlan().max_tokens}, "
         f"--quick {QUICK_MAX_TOKENS})",
     )
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=integer(1, 1000),
         default=None,
         help="rounds of each level, every system once a round, in an order that rotates "
         f"(default 1; --gpu {WavePlan().rounds})",
     )
     parser.add_argument(
         "--baseline",
-        type=Path,
+        type=program,
         default=None,
         metavar="PYTHON",
         help="also serve mlx-trio HTTP with this interpreter (another install, say an earlier "
-        f"commit's venv) as the system {BASELINE}, with its ratios",
+        f"commit's venv) as the system {BASELINE}, with its ratios (default: none)",
     )
     parser.add_argument(
         "--model-dir",
-        type=Path,
+        type=model_directory,
         default=None,
         metavar="DIR",
         help="an MLX model directory every system serves instead of the embedded default model "
@@ -161,7 +172,10 @@ def add_arguments(
     )
     parser.add_argument("--png", type=Path, default=None, help="the plot (default: --out, .png)")
     parser.add_argument(
-        "--report-only", type=Path, default=None, help="a results JSON to report (either run's)"
+        "--report-only",
+        type=_saved_run,
+        default=None,
+        help="a results JSON to report (either run's) instead of running (default: run)",
     )
     _add_gpu_arguments(parser, gpu)
 
@@ -184,17 +198,20 @@ def _add_gpu_arguments(parser: argparse.ArgumentParser, gpu: bool) -> None:
         help=f"of {','.join(MODELS)} (default: both)",
     )
     flags.add_argument(
-        "--prompt-tokens", type=int, default=None, help=f"default {plan.prompt_tokens}"
+        "--prompt-tokens",
+        type=integer(1, MAX_BENCH_TOKENS),
+        default=None,
+        help=f"prompt ids a stream (default {plan.prompt_tokens})",
     )
     flags.add_argument(
         "--single-repeats",
-        type=int,
+        type=integer(1, 100),
         default=None,
         help=f"1-stream waves a round (default {plan.single_repeats})",
     )
     flags.add_argument(
         "--budget-s",
-        type=float,
+        type=seconds(),
         default=None,
         help=f"stop adding rounds after (default {plan.budget_s:g})",
     )
@@ -250,12 +267,6 @@ def _check(args: argparse.Namespace) -> None:
         _refuse(f"{wrong} are not {run} systems; choose from {', '.join(table)}")
     if not args.gpu and args.systems and BASELINE in args.systems and args.baseline is None:
         _refuse(f"{BASELINE} needs --baseline PYTHON")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        _refuse("--max-tokens must be at least 1")
-    if args.rounds is not None and args.rounds < 1:
-        _refuse("--rounds must be at least 1")
-    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
-        _refuse(f"--model-dir {args.model_dir}: no config.json there (not an MLX model)")
 
 
 def run(args: argparse.Namespace) -> int:

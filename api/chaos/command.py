@@ -10,26 +10,43 @@ import trio
 import trio.testing
 
 from ...engine.errors import MlxTrioError
-from ..cli_args import NON_NEGATIVE, POSITIVE
+from ..cli_args import SEED, integer, model
 from .plan import FAULT_KINDS, FaultPlan
 from .run import run_on_model, run_scripted
 
 logger = logging.getLogger("mlx_trio.cli")
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    """``all``, or comma-separated fault kinds of ``FAULT_KINDS``."""
+    kinds = FAULT_KINDS if text == "all" else tuple(k.strip() for k in text.split(",") if k.strip())
+    if not kinds:
+        raise argparse.ArgumentTypeError("at least one fault kind, or 'all'")
+    if unknown := sorted(set(kinds) - set(FAULT_KINDS)):
+        raise argparse.ArgumentTypeError(f"unknown fault kinds {unknown}; see --list")
+    return kinds
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--seed", type=NON_NEGATIVE, default=0, help="the plan's seed: the same seed, the same run"
+        "--seed", type=SEED, default=0, help="the plan's seed: the same seed, the same run"
     )
     parser.add_argument(
-        "--requests", type=POSITIVE, default=200, help="requests in the randomized workload"
+        "--requests",
+        type=integer(1, 100_000),
+        default=200,
+        help="requests in the randomized workload",
     )
     parser.add_argument(
-        "--faults", default="all", help="comma-separated fault kinds, or 'all' (see --list)"
+        "--faults",
+        type=_kinds,
+        default=FAULT_KINDS,
+        help="comma-separated fault kinds, or 'all' (see --list; default: all)",
     )
     parser.add_argument("--list", action="store_true", help="list the fault kinds and exit")
     parser.add_argument(
         "--model",
+        type=model,
         default=None,
         help="run on a real model ('default' for the embedded one); default: the scripted engine",
     )
@@ -48,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(FAULT_KINDS))
         return 0
-    kinds = FAULT_KINDS if args.faults == "all" else tuple(k for k in args.faults.split(",") if k)
+    kinds: tuple[str, ...] = args.faults
     if args.log_level != "DEBUG":  # the injected faults are logged as errors; the table says it all
         logging.getLogger("mlx_trio.actors").setLevel(logging.CRITICAL)
         for name in ("mlx_trio.http", "mlx_trio.server", "hypercorn", "httpx"):  # lines per request
