@@ -36,6 +36,7 @@ from .outcomes import OutcomeTally
 from .port import EnginePort
 from .serial import SerialExecutor
 from .session import Session, SessionLinks
+from .unwrap import BodyError
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,7 @@ class Runtime:
         sessions = sum(s.is_on_its_way_to_the_batch for s in self._sessions.values())
         return self._submitting + sessions
 
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C goes to the caller's code, not a session
     async def _run_session(
         self, session: Session, admission: trio.MemoryReceiveChannel[gate.Reply]
     ) -> None:
@@ -348,30 +350,39 @@ async def open_runtime_actors(
     cleanup still has a gate and lanes to give back to; then the shutdown (bounded by its
     grace) ends them, and the block exits as Trio's cancellation asks."""
     runtime = Runtime(engine, config or RuntimeConfig())
-    actor_scopes: list[trio.CancelScope] = []
+    runs = (runtime.gate.run, runtime.arbiter.run, runtime.serial.run, runtime.batch_group.run)
+    # Made here, not in the tasks: one cancelled before its task enters it still ends it.
+    scopes = [trio.CancelScope(shield=True) for _ in runs]
 
-    async def shielded(run: Callable[..., Awaitable[None]], *, task_status: Any) -> None:
-        with trio.CancelScope(shield=True) as scope:
-            actor_scopes.append(scope)
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C goes to the caller's code, not an actor
+    async def shielded(
+        scope: trio.CancelScope, run: Callable[..., Awaitable[None]], *, task_status: Any
+    ) -> None:
+        with scope:
             await run(task_status=task_status)
 
-    async with trio.open_nursery() as actors:
-        for run in (
-            runtime.gate.run,
-            runtime.arbiter.run,
-            runtime.serial.run,
-            runtime.batch_group.run,
-        ):
-            await actors.start(partial(shielded, run))
-        try:
-            async with trio.open_nursery() as sessions:
-                runtime._sessions_nursery = sessions
-                try:
-                    yield runtime
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await runtime.shutdown()
-        finally:
-            for scope in actor_scopes:
-                scope.cancel()
-        actors.cancel_scope.cancel()
+    body = BodyError()
+    try:
+        async with trio.open_nursery() as actors:
+            try:
+                # Shielded: under a caller's scope already cancelled, start() would not move
+                # a started actor into the nursery and would wait for it to end (never).
+                with trio.CancelScope(shield=True):
+                    for scope, run in zip(scopes, runs, strict=True):
+                        await actors.start(partial(shielded, scope, run))
+                async with trio.open_nursery() as sessions:
+                    runtime._sessions_nursery = sessions
+                    try:
+                        with body.kept():
+                            yield runtime
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            await runtime.shutdown()
+            finally:
+                for scope in scopes:
+                    scope.cancel()
+    except BaseExceptionGroup as group:
+        body.raise_unless_only_it(group)
+    else:
+        return
+    raise body.exception()  # Ctrl-C comes out as KeyboardInterrupt, not in two groups

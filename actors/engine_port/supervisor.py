@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,7 @@ import trio
 
 from ...engine.calls import EngineStarted, RunFunction
 from ..port import EngineLiveness
+from ..unwrap import BodyError
 from .port import CorePort, Transport
 
 logger = logging.getLogger(__name__)
@@ -178,18 +180,54 @@ async def open_supervised_engine(
     start: EngineStarter, make_port: PortMaker, policy: RestartPolicy
 ) -> AsyncIterator[CorePort]:
     """Start an engine under a supervisor and yield the port the runtime drives; on exit the
-    supervisor stops and the engine it runs then is ended."""
+    supervisor stops and the engine it runs then is ended.
+
+    Once its first engine is up, the supervisor is shielded from the caller's cancellation
+    until the block exits: a cancel scope around the block that expires (a timeout, Ctrl-C)
+    must not take the engine away from the runtime inside it while that shuts down (its lanes
+    would fail on a closed engine, and the supervisor would report it down). The first start,
+    the model's load, stays cancellable."""
     supervisor = EngineSupervisor(start, make_port, policy)
+    scope = trio.CancelScope()  # the supervisor's; shielded once its engine is up
     failure: Exception | None = None
-    async with trio.open_nursery() as nursery:
-        try:
-            port: CorePort = await nursery.start(supervisor.run)
-        except Exception as exc:  # raised below as it is, not in the nursery's group
-            failure = exc
-        else:
+    body = BodyError()
+
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C goes to the caller's code
+    async def supervise(*, task_status: trio.TaskStatus[CorePort]) -> None:
+        with scope:
+            await supervisor.run(task_status=_ShieldOnStart(task_status, scope))
+
+    try:
+        async with trio.open_nursery() as nursery:
             try:
-                yield port
-            finally:
-                nursery.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
+                port: CorePort = await nursery.start(supervise)
+            except Exception as exc:  # raised below as it is, not in the nursery's group
+                failure = exc
+            else:
+                try:
+                    with body.kept():
+                        yield port
+                finally:
+                    scope.cancel()
+    except BaseExceptionGroup as group:
+        body.raise_unless_only_it(group)
+    else:
+        if failure is not None:
+            raise failure
+        return
+    raise body.exception()
+
+
+class _ShieldOnStart:
+    """The supervisor's task status: once it reports its port, its scope is shielded."""
+
+    def __init__(self, task_status: trio.TaskStatus[CorePort], scope: trio.CancelScope) -> None:
+        self._task_status = task_status
+        self._scope = scope
+
+    def started(self, port: CorePort) -> None:
+        self._task_status.started(port)
+        # Not if the caller was cancelled meanwhile: start() then left this task where it was,
+        # and waits for it to end.
+        if trio.current_effective_deadline() != -math.inf:
+            self._scope.shield = True
