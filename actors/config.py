@@ -97,3 +97,6 @@ class RuntimeStatistics:
     memory: MemoryUsage | None = None
     batch_limit: int = 0
     out_of_memory: int = 0
+    # How the model's requests run: together in the batch, one at a time on the serial lane
+    # (the model's caches cannot merge), or "off" (max_batch 1).
+    batch_mode: Literal["batch", "serial", "off"] = "batch"

@@ -12,7 +12,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import trio
 
@@ -22,6 +22,9 @@ from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt
 from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
+
+if TYPE_CHECKING:
+    from ..engine.caches import BatchMode
 from .port import EngineLiveness, EnginePort
 
 logger = logging.getLogger(__name__)
@@ -132,6 +135,10 @@ class FaultyEngine:
 
     def loop_cpu_s(self) -> float:
         return self.inner.loop_cpu_s()
+
+    @property
+    def batch_mode(self) -> BatchMode:
+        return self.inner.batch_mode
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return self.inner.unbatchable_reason(request)

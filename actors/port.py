@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from ..engine.budget import MemoryBudget, MemoryUsage
 from ..engine.outputs import PromptCacheStatistics, RowEvent
@@ -20,6 +20,9 @@ from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt
 from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
+
+if TYPE_CHECKING:
+    from ..engine.caches import BatchMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,12 @@ class EnginePort(Protocol):
     def liveness(self) -> EngineLiveness:
         """Whether the engine is up (a supervised engine may be restarting); an unsupervised
         one answers ``ALWAYS_UP``."""
+        ...
+
+    @property
+    def batch_mode(self) -> BatchMode:
+        """Whether the model's requests can batch (``batch``) or take the serial lane alone
+        (``serial``: its caches cannot merge into a batch, ``engine/caches.py``)."""
         ...
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:

@@ -317,6 +317,7 @@ class Runtime:
             memory=self.engine.memory_usage(),
             batch_limit=batch.batch_limit,
             out_of_memory=batch.out_of_memory,
+            batch_mode="off" if self.config.max_batch == 1 else self.engine.batch_mode,
         )
 
     async def shutdown(self, grace_s: float | None = None) -> None:

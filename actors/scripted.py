@@ -12,6 +12,7 @@ its prompt and ``i``, so outputs are the same alone or in any batch, and its tex
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -31,6 +32,9 @@ from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Chat, Prompt, check_fits, check_messages
 from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+
+if TYPE_CHECKING:
+    from ..engine.caches import BatchMode
 from .port import ALWAYS_UP, EngineLiveness
 from .script import (
     BYTES_PER_TOKEN,
@@ -175,6 +179,10 @@ class ScriptedEngine:
         self._liveness = EngineLiveness(
             "up", live.generation + 1, live.restarts + 1, live.last_cause
         )
+
+    @property
+    def batch_mode(self) -> BatchMode:
+        return "batch" if self.script.batchable else "serial"
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
         return None if self.script.batchable else "the scripted model cannot batch"

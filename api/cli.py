@@ -25,6 +25,7 @@ from .cli_args import (
     TOKENS,
     HelpFormatter,
     flag_of,
+    hub_id,
     integer,
     logit_bias,
     memory_limit,
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         type=model,
         default=None,
-        help="model directory or GGUF file (default: SmolLM2-135M-Instruct)",
+        help=MODEL_HELP,
     )
     generate.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     generate.add_argument(
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         type=model,
         default=None,
-        help="model directory or GGUF file (default: SmolLM2-135M-Instruct)",
+        help=MODEL_HELP,
     )
     serve.add_argument(
         "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: a GPU if any"
@@ -336,8 +337,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chaos_command.add_arguments(chaos)
 
-    pull = command("pull", help="fetch and import the embedded default model")
-    pull.add_argument("--force", action="store_true", help="re-download and re-import")
+    pull = command(
+        "pull", help="fetch a Hugging Face model into its cache, or the embedded default model"
+    )
+    pull.add_argument(
+        "model",
+        nargs="?",
+        type=hub_id,
+        default=None,
+        help="a Hugging Face id, org/name or org/name@revision (default: the embedded model)",
+    )
+    pull.add_argument("--force", action="store_true", help="re-download (and re-import)")
     pull.set_defaults(force=False)
 
     bench = command(
@@ -345,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_harness.add_arguments(bench)
     return parser
+
+
+MODEL_HELP = (
+    "model directory, GGUF file or Hugging Face id org/name[@revision] "
+    "(default: SmolLM2-135M-Instruct)"
+)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -449,9 +465,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
+    from ..engine.hub import pull_hub_model
     from ..engine.model_store import pull_default_model
 
-    path = pull_default_model(force=args.force)
+    if args.model is None:
+        path = pull_default_model(force=args.force)
+    else:
+        path = pull_hub_model(args.model, force=args.force)
     print(path)
     return 0
 

@@ -22,6 +22,7 @@ from typing import Any
 from ..engine.budget import MemoryLimit
 from ..engine.errors import InvalidRequestError, MlxTrioError
 from ..engine.gguf_header import is_gguf
+from ..engine.hub import HubId, parse_hub_id
 from ..engine.params import MAX_SEED, SamplingParams
 
 MAX_ROWS = 65_536  # --max-batch, --max-n
@@ -137,12 +138,15 @@ def memory_limit(value: str) -> MemoryLimit:
 
 def model(value: str) -> str:
     """A model as ``resolve_model`` takes it: ``default``, a directory whose ``config.json``
-    is a JSON object, or a GGUF file; checked without loading anything."""
-    if value == "default":
+    is a JSON object, a GGUF file, or a Hugging Face id (``org/name[@revision]``, fetched
+    when the model loads); checked without loading anything."""
+    if value == "default" or parse_hub_id(value) is not None:
         return value
     path = Path(value).expanduser()
     if not path.exists():
-        raise argparse.ArgumentTypeError(f"model not found: {value}")
+        raise argparse.ArgumentTypeError(
+            f"model not found: {value} (not a file, a directory or a Hugging Face id org/name)"
+        )
     if path.is_dir():
         config = path / "config.json"
         if not config.is_file():
@@ -156,6 +160,15 @@ def model(value: str) -> str:
     if not gguf:
         raise argparse.ArgumentTypeError(f"not a model directory or a GGUF file: {value}")
     return value
+
+
+def hub_id(value: str) -> HubId:
+    """A Hugging Face model id: ``org/name`` or ``org/name@revision``."""
+    if (parsed := parse_hub_id(value)) is None:
+        raise argparse.ArgumentTypeError(
+            f"not a Hugging Face id (org/name or org/name@revision): {value}"
+        )
+    return parsed
 
 
 def model_directory(value: str) -> Path:

@@ -174,12 +174,14 @@ class Api:
         ids = [self.state.model_id] if self.state.model_id else []
         rt = self.state.runtime
         defaults = applied(self.state.sampling_layers(rt)) if rt is not None else {}
-        extra = {
+        extra: dict[str, object] = {
             "sampling_defaults": {
                 name: {"value": value, "source": source}
                 for name, (value, source) in defaults.items()
             }
         }
+        if (stats := self.state.statistics()) is not None:
+            extra["batch_mode"] = stats.batch_mode  # batch, serial (caches that cannot merge), off
         return JSONResponse(
             {
                 "object": "list",

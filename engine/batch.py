@@ -78,7 +78,11 @@ class BatchEngine:
         self._failed_to_join: list[RowEvent] = []
         self._faults: dict[int, str] = {}  # sampler failures of this step, by row
         self._next_row = 0
-        self._solo = SoloRow(engine, prefill_chunk=prefill_chunk, enabled=solo)
+        # A lone row leaves mlx-lm's batch with its last token taken back out of its cache:
+        # only where every cache can rewind (engine/caches.py).
+        self._solo = SoloRow(
+            engine, prefill_chunk=prefill_chunk, enabled=solo and engine.caches.rewind
+        )
         self._step_count = 0
         self._first_token = False  # a row got its first token in this call's steps
         # This call's steps so far (run ahead of it included): rows' latest progress, the rows
@@ -218,7 +222,10 @@ class BatchEngine:
 
     def can_park(self, row_id: int) -> bool:
         """Whether a row is decoding (in mlx-lm's generation batch, or solo): not prefilling,
-        not parked."""
+        not parked; and the model's caches can give back its last token (a recurrent state
+        cannot: such a row stays in the batch, engine/caches.py)."""
+        if not self._engine.caches.rewind:
+            return False
         row = self._rows.get(row_id)
         solo = row_id == self._solo.row_id and not self._solo.is_unstarted
         # (A row that ended in a step run ahead is decoding no more: it left mlx-lm's batch.)

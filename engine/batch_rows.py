@@ -182,6 +182,10 @@ class GeneratorRows:
             prefill_step_size=budget.max_chunk,
         )
         self._row_of_uid: dict[int, BatchRow] = {}
+        # Caches that cannot rewind (or stop when a window fills) are reused from their exact
+        # end only: each prompt but its last token goes to the prompt cache as it is reached
+        # (engine/caches.py).
+        self._checkpoints = engine.prompt_cache is not None and engine.caches.checkpoints
         # Log-probabilities only while a row wants them (engine/lean_step.py).
         lean_step.install(self._generator, self._wants_logprobs)
 
@@ -275,10 +279,15 @@ class GeneratorRows:
         self._apply_budget()
         prompt_responses, generation_responses = self._generator.next()
         in_batch = self._row_of_uid
+        checkpoints = []
         for response in prompt_responses:
             if (row := in_batch.get(response.uid)) is not None:
                 done, total = response.progress
                 progress[row.id] = RowProgress(row=row.id, done=done, total=total)
+                if response.end_of_segment and not response.end_of_prompt:
+                    checkpoints.append(response.uid)
+        if checkpoints and self._checkpoints:
+            self._keep_checkpoints(checkpoints)
         # This runs for every generating row in every step, on the thread that also builds the
         # next step: its first-token check is done only where a first token can be (a row's
         # first step in the batch).
@@ -299,6 +308,12 @@ class GeneratorRows:
                 row.uid = None
                 commit(self._engine, list(response.all_tokens or []), response.prompt_cache)
         return first_token
+
+    def _keep_checkpoints(self, uids: list[int]) -> None:
+        """Give the prompt cache what the rows ``uids`` hold at the end of their prompt but
+        its last token (mlx-lm feeds that one with the first decode step)."""
+        for caches, tokens in self._generator.extract_cache(uids).values():
+            commit(self._engine, list(tokens), caches)
 
     def _apply_budget(self) -> None:
         """Set the next ``BatchGenerator.next()``'s prompts and chunk by the token budget:

@@ -148,17 +148,26 @@ class Reply(Generic[R]):
 @dataclass(frozen=True, slots=True)
 class EngineStarted:
     """What the port knows of its engine from the start; the engine process's first reply.
-    ``memory``: the memory budget the core planned (None: none)."""
+    ``memory``: the memory budget the core planned (None: none). ``unbatchable``: why the
+    model's requests cannot batch (its caches cannot merge, ``engine/caches.py``; None: they
+    can)."""
 
     model_id: str
     sampling_defaults: SamplingDefaults
     warmup: WarmupReport | None = None
     memory: MemoryBudget | None = None
+    unbatchable: str | None = None
 
     @classmethod
     def of(cls, core: EngineCore, warmup: WarmupReport | None = None) -> EngineStarted:
         engine = core.engine
-        return cls(engine.model_id, engine.sampling_defaults, warmup, core.memory)
+        return cls(
+            engine.model_id,
+            engine.sampling_defaults,
+            warmup,
+            core.memory,
+            engine.caches.unbatchable_reason,
+        )
 
 
 def apply(core: EngineCore, call: EngineCall) -> object:

@@ -8,6 +8,7 @@ finish reasons and stats.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import fused
 from .budget import MemoryLimit
+from .caches import CacheAbilities, tokens_held
 from .errors import EngineError, InvalidRequestError
 from .grammar import grammar_failure
 from .grammar_sandbox import GrammarSandbox, TokenizerSpec
@@ -81,6 +83,14 @@ class Generation:
         kv = hit.cache if hit is not None else make_prompt_cache(self._engine.model)
         skip = hit.num_tokens if hit is not None else 0
         self._decoder.num_cached_tokens = skip
+        on_progress = self._on_progress
+        if prompt_cache is not None and self._engine.caches.checkpoints and len(prompt) - skip > 1:
+            # The only entry a request like this one can reuse is its prompt but the last token
+            # (engine/caches.py): prefilled here, kept, then generate_step goes on from there.
+            done = self._prefill(prompt[skip:-1], kv, len(prompt) - skip)
+            prompt_cache.put(prompt[: skip + done], copy.deepcopy(kv))
+            on_progress = _offset_progress(on_progress, done)
+            skip += done
         processors = make_row_processors(params, self._engine.tokenizer)
         steps = generate_step(
             mx.array(prompt[skip:]),
@@ -90,7 +100,7 @@ class Generation:
             logits_processors=with_history(processors, prompt[:skip]),
             prompt_cache=kv,
             prefill_step_size=self._engine.prefill_step_size,
-            prompt_progress_callback=self._on_progress,
+            prompt_progress_callback=on_progress,
         )
         generated: list[int] = []
         try:
@@ -107,12 +117,30 @@ class Generation:
             raise
         finally:
             steps.close()
-            if prompt_cache is not None:
-                in_kv = (prompt + generated)[: kv[0].offset] if kv else []
-                prompt_cache.put(in_kv, kv)
+            held = tokens_held(kv)
+            if prompt_cache is not None and held is not None:
+                prompt_cache.put((prompt + generated)[:held], kv)
+
+    def _prefill(self, tokens: list[int], kv: list[Any], total: int) -> int:
+        """Feed ``tokens`` to the model over ``kv`` in chunks, as ``generate_step`` prefills,
+        reporting progress out of ``total``; how many were fed."""
+        step = self._engine.prefill_step_size
+        for start in range(0, len(tokens), step):
+            self._engine.model(mx.array(tokens[start : start + step])[None], cache=kv)
+            mx.eval([c.state for c in kv])
+            if self._on_progress is not None:
+                self._on_progress(min(start + step, len(tokens)), total)
+        return len(tokens)
 
     def stats(self) -> GenerationStats:
         return self._decoder.stats()
+
+
+def _offset_progress(on_progress: ProgressCallback | None, done: int) -> ProgressCallback | None:
+    """``generate_step``'s progress past ``done`` tokens prefilled before it."""
+    if on_progress is None or done == 0:
+        return on_progress
+    return lambda processed, total: on_progress(processed + done, total + done)
 
 
 class RequestPreparer:
@@ -192,6 +220,8 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.prefill_step_size = prefill_step_size
+        self.caches = CacheAbilities.of(self.model)
+        logger.info("%s: %s", loaded.model_id, self.caches.describe())
         self.preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
         # Over several ranks: rank 0 sends its calls to the others (engine/distributed.py).
         self.lockstep: Lockstep | None = None

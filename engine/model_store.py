@@ -37,6 +37,7 @@ from typing import IO, Literal
 from .errors import ModelImportError, ModelNotFoundError, UnsupportedModelError
 from .gguf import Progress, import_gguf, reporter
 from .gguf_header import is_gguf
+from .hub import parse_hub_id, pull_hub_model
 from .manifest import (
     manifest_problem,
     sha256_file,
@@ -91,7 +92,7 @@ class ResolvedModel:
 
     path: Path
     model_id: str
-    source: Literal["default", "directory", "gguf"]
+    source: Literal["default", "directory", "gguf", "hub"]
 
 
 def cache_root() -> Path:
@@ -112,7 +113,9 @@ def resolve_model(spec: str | None, *, progress: Progress | None = None) -> Reso
 
     ``None`` or ``"default"`` is the embedded default model; a directory must hold
     ``config.json``; a GGUF file is imported once into the cache, keyed by its SHA-256 (a
-    known one, ``KNOWN_SOURCES``, with its source's sampling defaults).
+    known one, ``KNOWN_SOURCES``, with its source's sampling defaults); a Hugging Face id
+    (``org/name[@revision]``) that is no path here is fetched into the hub's cache
+    (``engine/hub.py``).
     Raises ModelNotFoundError for a missing path and UnsupportedModelError for anything else
     it cannot use; a failed import leaves the cache as it was.
     """
@@ -121,7 +124,11 @@ def resolve_model(spec: str | None, *, progress: Progress | None = None) -> Reso
         return ResolvedModel(path, DEFAULT_SOURCE.model_id, "default")
     path = Path(spec).expanduser()
     if not path.exists():
-        raise ModelNotFoundError(f"model not found: {spec}")
+        if (hub_id := parse_hub_id(spec)) is not None:  # served under its repository's id
+            return ResolvedModel(pull_hub_model(hub_id), hub_id.repo, "hub")
+        raise ModelNotFoundError(
+            f"model not found: {spec} (not a file, a directory or a Hugging Face id org/name)"
+        )
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UnsupportedModelError(f"not a model directory (no config.json): {spec}")

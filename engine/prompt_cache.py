@@ -26,6 +26,7 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from .caches import tokens_held
 from .outputs import PromptCacheStatistics
 
 logger = logging.getLogger(__name__)
@@ -104,12 +105,12 @@ class PromptCache:
         return CacheHit(cache, cached)
 
     def put(self, tokens: list[int], cache: list[Any]) -> None:
-        """Keep ``cache``, which holds the KV of exactly ``tokens``."""
+        """Keep ``cache``, which holds the KV (or recurrent state) of exactly ``tokens``."""
         if len(tokens) < MIN_TOKENS or not cache:
             return
-        offset = getattr(cache[0], "offset", len(tokens))
-        if offset != len(tokens):
-            logger.debug("not caching: %d tokens but a KV offset of %d", len(tokens), offset)
+        held = tokens_held(cache)
+        if held is not None and held != len(tokens):
+            logger.debug("not caching: %d tokens but a KV offset of %d", len(tokens), held)
             return
         size = sum(c.nbytes for c in cache)
         limit = self.limit_bytes

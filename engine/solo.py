@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from .batch_rows import BatchRow, PromptStart
+from .caches import tokens_held
 from .generate import Engine
 from .sampling import with_history
 
@@ -131,7 +132,8 @@ class SoloRow:
         run, self._run = self._run, None
         assert run is not None
         run.steps.close()
-        return run.tokens[: run.caches[0].offset], run.caches
+        held = tokens_held(run.caches)
+        return (run.tokens[:held] if held is not None else []), run.caches
 
     def drop_unstarted(self) -> PromptStart:
         """Stop an unstarted row before its first step: its prompt left to prefill, and the

@@ -163,7 +163,10 @@ def not_models(root: Path) -> dict[str, tuple[Path, str]]:
     (root / "empty").mkdir()
     (root / "weights.gguf").write_bytes(b"not a gguf file at all")
     return {
-        "missing": (root / "missing", "model not found: {}"),
+        "missing": (
+            root / "missing",
+            "model not found: {} (not a file, a directory or a Hugging Face id org/name)",
+        ),
         "a file": (root / "weights.gguf", "not a model directory or a GGUF file: {}"),
         "no config.json": (root / "empty", "not a model directory (no config.json): {}"),
         "a JSON list": (root / "list", "{}/config.json is not a JSON object"),
@@ -270,7 +273,7 @@ def test_a_bare_command_lists_the_commands(capsys, monkeypatch):
         ("generate", "stream a completion to stdout"),
         ("serve", "serve an OpenAI-compatible HTTP API"),
         ("chaos", "run a randomized workload"),
-        ("pull", "fetch and import the embedded default model"),
+        ("pull", "fetch a Hugging Face model into its cache, or the"),
         ("bench", "benchmark systems x scenarios"),
     ]:
         assert f"    {name:<20}{says}" in err

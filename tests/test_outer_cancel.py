@@ -63,9 +63,7 @@ class Streams:
 def mid_decode_and_queued(streams: Streams) -> bool:
     """The first ``MAX_LIVE`` streams have their first token, the others wait in the queue."""
     assert streams.rt is not None
-    decoding = all(
-        any(isinstance(e, TextDelta) for e in read) for read in streams.read[:MAX_LIVE]
-    )
+    decoding = all(any(isinstance(e, TextDelta) for e in read) for read in streams.read[:MAX_LIVE])
     return decoding and streams.rt.statistics().queued_sessions == NUM_STREAMS - MAX_LIVE
 
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from ...engine.budget import MemoryBudget, MemoryUsage
+from ...engine.caches import BatchMode
 from ...engine.calls import (
     BatchAdd,
     BatchPark,
@@ -240,8 +241,12 @@ class CorePort:
             raise RuntimeError("this engine port was started without a tokenizer")
         return self._preparer
 
+    @property
+    def batch_mode(self) -> BatchMode:
+        return "serial" if self._started.unbatchable is not None else "batch"
+
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
-        return None
+        return self._started.unbatchable
 
     def loop_cpu_s(self) -> float:
         # On the engine thread the loop's CPU holds the GIL the engine needs; in the engine

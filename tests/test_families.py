@@ -1,0 +1,250 @@
+"""Every mlx-lm family users serve gives mlx-lm's own greedy text on every path (issue 35).
+
+A tiny random model of each family (``tests/families.py``), greedy: the batch lane (four rows
+at once, one of them a repeat), the serial lane, a lone row in the batch, and a prompt-cache hit
+each give the tokens mlx-lm's ``generate_step`` gives for the same prompt. The recurrent
+families (Qwen3.5, Qwen3-Next, Mamba2) were an HTTP 500 (``'ArraysCache' object has no
+attribute 'offset'``): their caches cannot rewind, so their rows are never parked or handed to
+the solo row, and a repeat of a request reuses the checkpoint stored at its prompt's end.
+Then the whole server on a checkpoint folder of a hybrid model, and a model whose caches cannot
+batch, on the serial lane.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+from mlx_lm.models.cache import ConcatenateKVCache
+
+from mlx_trio.actors.config import RuntimeConfig
+from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
+from mlx_trio.actors.messages import Completed, GenerationRequest
+from mlx_trio.api.inprocess import open_runtime
+from mlx_trio.api.server import ServeOptions
+from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.caches import CacheAbilities
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.outputs import RowOutput
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from mlx_trio.engine.random_model import in_memory
+from tests.families import FAMILIES, RECURRENT, make_engine, make_model, mlx_lm_greedy, save
+from tests.server_thread import ServerThread
+from tests.tiny import make_tokenizer
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+PROMPTS = [
+    "the cat sat on the mat, and then the dog came in",  # longer than the windows (16)
+    "in the beginning",
+    "x",
+    "one dog sat on the cat and then the mat was gone",
+]
+
+
+def expected(engine: Engine, requests: list[PreparedRequest]) -> list[list[int]]:
+    return [mlx_lm_greedy(engine.model, list(r.prompt_tokens), GREEDY.max_tokens) for r in requests]
+
+
+def run_batch(batch: BatchEngine, requests: list[PreparedRequest]) -> list[list[int]]:
+    rows = [batch.add(r) for r in requests]
+    tokens: dict[int, list[int]] = {row: [] for row in rows}
+    while batch.num_rows:
+        for event in batch.step():
+            if isinstance(event, RowOutput):
+                tokens[event.row].extend(event.delta.token_ids)
+    return [tokens[row] for row in rows]
+
+
+def serial(engine: Engine, request: PreparedRequest) -> tuple[list[int], int]:
+    """The serial lane's tokens, and how many prompt tokens came from the prompt cache."""
+    generation = engine.generate(request)
+    tokens = [t for delta in generation for t in delta.token_ids]
+    return tokens, generation.stats().cached_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_path_gives_mlx_lms_greedy_text(family):
+    engine = make_engine(family)
+    requests = [engine.prepare(p, GREEDY) for p in PROMPTS]
+    want = expected(engine, requests)
+    assert any(len(set(tokens)) > 3 for tokens in want)  # the model says something varied
+    assert [serial(engine, r)[0] for r in requests] == want
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
+    assert run_batch(batch, [*requests, requests[0]]) == [*want, want[0]]
+    assert run_batch(batch, requests[:1]) == want[:1]  # a lone row (solo where it can rewind)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_repeated_request_reuses_the_prompt_cache_and_answers_the_same(family):
+    engine = make_engine(family, prompt_cache_bytes=1 << 26)
+    requests = [engine.prepare(p, GREEDY) for p in (PROMPTS[0], PROMPTS[3])]  # 16+ tokens
+    want = expected(engine, requests)
+    for request, tokens in zip(requests, want, strict=True):  # the serial lane
+        assert serial(engine, request) == (tokens, 0)
+        again, cached = serial(engine, request)
+        assert again == tokens and cached >= len(request.prompt_tokens) - 1
+    hits = engine.prompt_cache.statistics().hits
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)  # the batch lane
+    assert run_batch(batch, requests) == want
+    assert engine.prompt_cache.statistics().hits == hits + 2
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_a_recurrent_models_rows_are_never_rewound(family):
+    """Its rows stay in mlx-lm's batch: no parking (a slow reader's row keeps its place), no
+    solo row; the runtime is told it cannot park and goes on."""
+    engine = make_engine(family)
+    abilities = engine.caches
+    assert abilities.batch and not abilities.rewind and abilities.checkpoints
+    assert "ArraysCache" in abilities.kinds
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
+    request = engine.prepare(PROMPTS[0], GREEDY)
+    row = batch.add(request)
+    for _ in range(4):
+        batch.step()
+    assert not batch.can_park(row) and batch.solo_row is None
+
+
+def test_the_abilities_of_plain_windowed_and_unmergeable_caches():
+    llama = CacheAbilities.of(make_model("llama"))
+    assert (llama.batch, llama.rewind, llama.checkpoints) == (True, True, False)
+    assert llama.batch_mode == "batch" and llama.unbatchable_reason is None
+    windowed = CacheAbilities.of(make_model("gemma3_text"))
+    assert windowed.rewind and windowed.checkpoints  # a full window stops rewinding
+    unmergeable = CacheAbilities.of(UnmergeableKV(make_model("llama")))
+    assert unmergeable.batch_mode == "serial" and not unmergeable.batch
+    assert "ConcatenateKVCache" in (unmergeable.unbatchable_reason or "")
+
+
+class UnmergeableKV:
+    """A model whose caches cannot merge into a batch: mlx-lm's ``ConcatenateKVCache`` (as
+    its ``QuantizedKVCache`` and ``ChunkedKVCache``, which llama4 makes) has no ``merge``."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.layers = model.layers
+
+    def make_cache(self) -> list[Any]:
+        return [ConcatenateKVCache() for _ in self.layers]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+
+async def test_a_model_whose_caches_cannot_batch_serves_every_request_on_the_serial_lane():
+    model = UnmergeableKV(make_model("llama"))
+    loaded = in_memory(
+        model,  # type: ignore[arg-type]
+        make_tokenizer(),
+        "tiny-unmergeable-kv",
+        dtype="float32",
+        is_quantized=False,
+        context_length=512,
+        device="cpu",
+    )
+    engine = Engine(loaded, prefill_step_size=16)
+    with EngineThread() as thread:
+        port = ThreadedEngine(engine, thread, max_batch=4)
+        async with open_runtime(engine=port, max_batch=4) as rt:
+            assert rt.statistics().batch_mode == "serial"
+            results: dict[int, Any] = {}
+
+            async def ask(i: int) -> None:
+                results[i] = await rt.collect(GenerationRequest(PROMPTS[i], GREEDY))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(ask, i)
+            stats = rt.statistics()
+    assert all(isinstance(results[i].outcome, Completed) for i in range(3))
+    assert stats.rows_submitted == {"batch": 0, "serial": 3}
+    for i in range(3):
+        want = mlx_lm_greedy(model, list(engine.prepare(PROMPTS[i], GREEDY).prompt_tokens), 24)
+        assert list(results[i].token_ids) == want
+
+
+def detokenize(tokens: list[int]) -> str:
+    """Text as a reply streams it (mlx-lm's streaming detokenizer: a random model's stray
+    bytes come out as it maps them, not as ``decode`` does)."""
+    detokenizer = make_tokenizer().detokenizer
+    detokenizer.reset()
+    for token in tokens:
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save("qwen3_5", tmp_path_factory.mktemp("models") / "tiny-qwen3_5")
+
+
+async def test_the_in_process_api_serves_a_hybrid_checkpoint(hybrid_dir):
+    """``open_runtime(model=DIR)``: loaded as a user's checkpoint is, on the engine thread,
+    four at once and a repeat; mlx-lm's text, and the repeat's prompt from the cache."""
+    engine = make_engine("qwen3_5")
+    want = expected(engine, [engine.prepare(p, GREEDY) for p in PROMPTS])
+    async with open_runtime(
+        str(hybrid_dir), device="cpu", engine_process=False, prompt_cache_bytes=1 << 26
+    ) as rt:
+        results: dict[int, Any] = {}
+
+        async def ask(i: int) -> None:
+            results[i] = await rt.collect(GenerationRequest(PROMPTS[i], GREEDY))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(ask, i)
+        again = await rt.collect(GenerationRequest(PROMPTS[0], GREEDY))
+        stats = rt.statistics()
+    assert [list(results[i].token_ids) for i in range(4)] == want
+    assert list(again.token_ids) == want[0]
+    assert isinstance(again.outcome, Completed) and again.outcome.usage.cached_tokens > 0
+    assert stats.batch_mode == "batch" and not any(stats.failed.values())
+
+
+def test_the_server_serves_a_hybrid_checkpoint_streamed_or_not(hybrid_dir):
+    """``serve --model DIR`` over HTTP with the openai SDK: the 500 the issue found is
+    mlx-lm's text, streamed or not, alone or four at once; ``/v1/models`` says it batches."""
+    engine = make_engine("qwen3_5")
+    chat = [engine.prepare([{"role": "user", "content": p}], GREEDY).prompt_tokens for p in PROMPTS]
+    want = [detokenize(mlx_lm_greedy(engine.model, list(c), 24)) for c in chat]
+    options = ServeOptions(
+        model=str(hybrid_dir),
+        device="cpu",
+        engine_process=False,
+        runtime=RuntimeConfig(max_batch=4),
+    )
+    with ServerThread(options) as server:
+        server.wait_healthy()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0]
+        assert model.id == "tiny-qwen3_5" and model.model_extra["batch_mode"] == "batch"
+
+        def ask(i: int, stream: bool) -> str:
+            messages = [{"role": "user", "content": PROMPTS[i]}]
+            if not stream:
+                reply = client.chat.completions.create(
+                    model=model.id, messages=messages, max_tokens=24, temperature=0
+                )
+                return reply.choices[0].message.content or ""
+            chunks = client.chat.completions.create(
+                model=model.id, messages=messages, max_tokens=24, temperature=0, stream=True
+            )
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+        assert ask(0, stream=False) == want[0]  # alone
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda i: ask(i, stream=i % 2 == 0), range(4)))
+        assert together == want
+        stats = httpx.get(f"{server.url}/v1/stats").json()
+        assert stats["batch_mode"] == "batch" and not any(stats["failed"].values())
+        assert stats["prompt_cache"]["hits"] > 0
