@@ -39,6 +39,9 @@ class GenerationRequest:
     OpenAI's values; see ``mlx_trio.engine.sampling_defaults``). ``reproducible`` asks for the
     serial lane: the same output as a solo run, bit for bit.
     ``timeout_s`` is one deadline over queueing, prefill and decode.
+    ``cache_salt``: the prompt cache's partition (vLLM's ``cache_salt``): the request reuses
+    only what requests of the same salt left, so its ``cached_tokens`` tell nothing of others'
+    prompts (None: the partition every unsalted request shares).
     """
 
     prompt: str | tuple[ChatMessage, ...] | Chat
@@ -46,6 +49,7 @@ class GenerationRequest:
     reproducible: bool = False
     timeout_s: float | None = None
     request_id: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

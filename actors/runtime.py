@@ -15,6 +15,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -143,7 +144,10 @@ class Runtime:
         params = request.params
         if params is None:
             params = self.engine.sampling_defaults.params()
-        return await self.engine.prepare(request.prompt, params)
+        prepared = await self.engine.prepare(request.prompt, params)
+        if request.cache_salt is not None:
+            prepared = replace(prepared, cache_salt=request.cache_salt)
+        return prepared
 
     def _projected_kv_bytes(self, request: GenerationRequest, prepared: PreparedRequest) -> int:
         """The KV bytes the request may come to hold, under the engine's memory budget (0

@@ -266,8 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         type=nonempty("--api-key"),
-        default=os.environ.get("MLX_TRIO_API_KEY") or None,
-        help="require 'Authorization: Bearer KEY' (default: $MLX_TRIO_API_KEY)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY'; repeat for several keys, each with its own "
+        "prompt-cache entries (default: $MLX_TRIO_API_KEY)",
     )
     serve.add_argument(
         "--max-body-bytes",
@@ -355,6 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_harness.add_arguments(bench)
     return parser
+
+
+def _api_keys(given: list[str] | None) -> tuple[str, ...]:
+    """``--api-key`` as given (each once), else ``$MLX_TRIO_API_KEY``, else none."""
+    if given:
+        return tuple(dict.fromkeys(given))
+    from_env = os.environ.get("MLX_TRIO_API_KEY")
+    return (from_env,) if from_env else ()
 
 
 MODEL_HELP = (
@@ -453,7 +463,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_iteration_tokens=args.max_iteration_tokens,
         ),
         http=HttpSettings(
-            api_key=args.api_key,
+            api_keys=_api_keys(args.api_key),
             max_body_bytes=args.max_body_bytes,
             max_n=args.max_n,
             sampling=_flag_defaults(args),

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .http_endpoints import Api
 from .http_errors import HttpError
-from .http_state import AppState
+from .http_state import API_KEY_STATE, AppState
 
 logger = logging.getLogger("mlx_trio.http")
 
@@ -38,14 +38,15 @@ MAX_HEADER_BYTES = 16 * 1024
 
 class EdgeMiddleware:
     """Checks made before routing: 431 for request heads over 16 KiB (h11 only catches heads
-    that arrive in pieces), and, with an API key, 401 ``invalid_api_key`` unless the bearer
-    token matches (compared in constant time). /health stays open. An exception that escapes
-    the app (a bug: the app has answered 500 ``server_error`` if it could) is logged here with
-    its traceback, once, and goes no further."""
+    that arrive in pieces), and, with API keys, 401 ``invalid_api_key`` unless the bearer
+    token is one of them (each compared in constant time); the request's ``state`` then says
+    which (``API_KEY_STATE``: its index), for the prompt cache's partition. /health stays
+    open. An exception that escapes the app (a bug: the app has answered 500 ``server_error``
+    if it could) is logged here with its traceback, once, and goes no further."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -68,10 +69,12 @@ class EdgeMiddleware:
             return HttpError(404, "Not Found: an encoded '/' in the path", code="not_found")
         if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:
             return HttpError(431, f"request headers are over {MAX_HEADER_BYTES} bytes")
-        if self.expected is None or scope["path"] == "/health":
+        if not self.expected or scope["path"] == "/health":
             return None
         given = dict(headers).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        matched = [hmac.compare_digest(given, expected) for expected in self.expected]
+        if any(matched):
+            scope.setdefault("state", {})[API_KEY_STATE] = matched.index(True)
             return None
         return HttpError(
             401,
@@ -130,4 +133,4 @@ def build_app(state: AppState) -> ASGIApp:
             Exception: internal_error,
         },
     )
-    return EdgeMiddleware(app, state.settings.api_key)
+    return EdgeMiddleware(app, state.settings.api_keys)

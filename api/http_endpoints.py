@@ -28,7 +28,7 @@ from .http_errors import HttpError, refusal_error
 from .http_exchange import Exchange
 from .http_input import parse, read_json
 from .http_responses import EventStream, complete
-from .http_state import AppState, HttpSettings
+from .http_state import API_KEY_STATE, AppState, HttpSettings
 from .inprocess import RuntimeHandle, SessionHandle
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -120,6 +120,7 @@ class Api:
         self._check_choices(num_prompts, body.n)
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         timeout = body.timeout if body.timeout is not None else self.settings.request_timeout_s
+        salt = cache_salt(request, body.cache_salt)
         try:
             generations = [
                 GenerationRequest(
@@ -131,6 +132,7 @@ class Api:
                     ),
                     timeout_s=timeout,
                     request_id=f"{request_id}/{p * body.n + i}",
+                    cache_salt=salt,
                 )
                 for p, prompt in enumerate(prompts())
                 for i in range(body.n)
@@ -232,6 +234,15 @@ class Api:
         for handle in handles:
             handle.cancel_nowait("requested")
         return JSONResponse({"id": request_id, "object": "request.cancelled"})
+
+
+def cache_salt(request: Request, asked: str | None) -> str | None:
+    """A request's prompt-cache partition: the API key it came with (by its place among the
+    server's keys), and the ``cache_salt`` it asked for; None, the shared one, for neither.
+    So with several keys, ``cached_tokens`` never tells one key's client what another's sent."""
+    key = request.scope.get("state", {}).get(API_KEY_STATE)
+    parts = [f"key {key}" if key is not None else "", f"salt {asked}" if asked else ""]
+    return "; ".join(p for p in parts if p) or None
 
 
 def splitters(

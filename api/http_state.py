@@ -12,13 +12,17 @@ from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults, Source, bu
 from .inprocess import RuntimeHandle, SessionHandle
 from .metrics import Metrics
 
+API_KEY_STATE = "api_key_index"  # a request's state: which of the API keys its bearer token is
+
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
     """The HTTP edge's limits. ``max_n``: the choices one request may ask for, counted as
-    prompts x ``n`` (each choice takes an admission slot); more is refused with 400."""
+    prompts x ``n`` (each choice takes an admission slot); more is refused with 400.
+    ``api_keys``: the bearer tokens accepted (none: no key needed); each key's requests reuse
+    only their own prompt-cache entries."""
 
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 2 * 1024 * 1024
     max_n: int = 8
     default_max_tokens: int = 512

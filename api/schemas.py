@@ -83,6 +83,8 @@ class _Sampling(Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     timeout: Number | None = Field(default=None, gt=0, description="seconds; mlx-trio extension")
+    # vLLM's: the prompt cache's partition; hits only among requests with the same salt.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def _stops(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -139,7 +139,8 @@ async def serve(
                 freeze_startup_heap()
                 logger.info("serving model '%s' at %s", rt.model_id, url)
                 logger.info("sampling defaults: %s", describe(state.sampling_layers(rt)))
-                logger.info("try: %s", curl_example(url, rt.model_id, options.http.api_key))
+                example = curl_example(url, rt.model_id, bool(options.http.api_keys))
+                logger.info("try: %s", example)
                 await shutdown.wait()
                 logger.info("shutting down: admission closed, finishing in-flight requests")
         finally:
@@ -189,8 +190,8 @@ async def _stop_on_signal(
             return
 
 
-def curl_example(url: str, model_id: str, api_key: str | None) -> str:
-    auth = " -H 'Authorization: Bearer $MLX_TRIO_API_KEY'" if api_key else ""
+def curl_example(url: str, model_id: str, needs_key: bool) -> str:
+    auth = " -H 'Authorization: Bearer $MLX_TRIO_API_KEY'" if needs_key else ""
     body = (
         f'{{"model": "{model_id}", "messages": [{{"role": "user", '
         f'"content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'

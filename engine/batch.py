@@ -163,7 +163,7 @@ class BatchEngine:
             sampler = guard_sampler(row_id, sampler, self._faults)
         row = BatchRow.new(row_id, self._engine.tokenizer, request, sampler)
         prompt = list(request.prompt_tokens)
-        start = PromptStart.take(self._engine.prompt_cache, prompt)
+        start = PromptStart.take(self._engine.prompt_cache, prompt, request.cache_salt)
         row.decoder.num_cached_tokens = start.num_cached
         if self._solo.can_start_from_prompt(len(self._rows), len(start.rest)):
             self._solo.start_from_prompt(row, prompt, start)
@@ -209,7 +209,7 @@ class BatchEngine:
         if row_id == self._solo.row_id:
             if self._solo.is_unstarted:  # the prompt cache's hit goes back
                 start = self._solo.drop_unstarted()
-                commit(self._engine, start.context or [], start.hit_cache)
+                commit(self._engine, start.context or [], start.hit_cache, row.cache_salt)
             else:  # it goes as a parked row does
                 row.parked = self._solo.drop()
         if (uid := self._batch.detach(row)) is not None:
@@ -217,7 +217,7 @@ class BatchEngine:
         if row.parked is not None:
             caches, tokens = row.parked
             row.parked = None
-            commit(self._engine, tokens[:-1], caches)
+            commit(self._engine, tokens[:-1], caches, row.cache_salt)
         return None
 
     def can_park(self, row_id: int) -> bool:
@@ -288,7 +288,7 @@ class BatchEngine:
         self._first_token |= row.take(token, logprobs, self._step_count)
         self._touched[row.id] = row
         if row.ends_with(token):  # the row ends here: its KV goes now
-            commit(self._engine, *self._solo.end())
+            commit(self._engine, *self._solo.end(), row.cache_salt)
 
     # -- steps --------------------------------------------------------------------------------
 

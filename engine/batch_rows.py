@@ -55,6 +55,7 @@ class BatchRow:
     sampled_logprobs: list[mx.array] = field(default_factory=list)
     took_at: int | None = None  # the step that gave it its last sampled token
     failure: str | None = None  # its sampler failed: it left the generator, fails at the end
+    cache_salt: str | None = None  # its prompt-cache partition (PreparedRequest.cache_salt)
 
     @classmethod
     def new(
@@ -75,6 +76,7 @@ class BatchRow:
             stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
             wants_logprobs=params.logprobs,
             num_prompt_tokens=len(request.prompt_tokens),
+            cache_salt=request.cache_salt,
         )
 
     @property
@@ -134,9 +136,9 @@ class PromptStart:
     context: list[int] | None
 
     @classmethod
-    def take(cls, cache: PromptCache | None, prompt: list[int]) -> PromptStart:
-        """Take the longest prefix of ``prompt`` that ``cache`` holds out of it."""
-        hit = cache.take(prompt) if cache is not None else None
+    def take(cls, cache: PromptCache | None, prompt: list[int], salt: str | None) -> PromptStart:
+        """Take the longest prefix of ``prompt`` that ``cache`` holds under ``salt`` out of it."""
+        hit = cache.take(prompt, salt) if cache is not None else None
         if hit is None:
             return cls(prompt[:], None, None)
         return cls(prompt[hit.num_tokens :], hit.cache, prompt[: hit.num_tokens])
@@ -163,10 +165,11 @@ def guard_sampler(row_id: int, sampler: Sampler, faults: dict[int, str]) -> Samp
     return guarded
 
 
-def commit(engine: Engine, tokens: list[int], caches: list[Any] | None) -> None:
-    """Give the prompt cache, if any, KV ``caches`` that hold exactly ``tokens``."""
+def commit(engine: Engine, tokens: list[int], caches: list[Any] | None, salt: str | None) -> None:
+    """Give the prompt cache, if any, KV ``caches`` that hold exactly ``tokens``, under
+    ``salt``."""
     if engine.prompt_cache is not None and caches:
-        engine.prompt_cache.put(tokens, caches)
+        engine.prompt_cache.put(tokens, caches, salt)
 
 
 class GeneratorRows:
@@ -182,6 +185,7 @@ class GeneratorRows:
             prefill_step_size=budget.max_chunk,
         )
         self._row_of_uid: dict[int, BatchRow] = {}
+        self._detached: dict[int, str | None] = {}  # uids to remove, with their rows' salts
         # Caches that cannot rewind (or stop when a window fills) are reused from their exact
         # end only: each prompt but its last token goes to the prompt cache as it is reached
         # (engine/caches.py).
@@ -258,17 +262,22 @@ class GeneratorRows:
             return None
         uid, row.uid = row.uid, None
         del self._row_of_uid[uid]
+        self._detached[uid] = row.cache_salt
         return uid
 
     def remove(self, uids: Iterable[int]) -> None:
         """Drop detached rows; what they had prefilled goes to the prompt cache."""
         if not (uids := list(uids)):
             return
+        salts = [self._detached.pop(uid, None) for uid in uids]
         if self._engine.prompt_cache is None:
             self._generator.remove(uids)
             return
-        for caches, tokens in self._generator.remove(uids, return_prompt_caches=True).values():
-            commit(self._engine, list(tokens), caches)
+        held = self._generator.remove(uids, return_prompt_caches=True)
+        for uid, salt in zip(uids, salts, strict=True):
+            if (found := held.get(uid)) is not None:
+                caches, tokens = found
+                commit(self._engine, list(tokens), caches, salt)
 
     def step(
         self, step: int, progress: dict[int, RowProgress], touched: dict[int, BatchRow]
@@ -306,14 +315,15 @@ class GeneratorRows:
             if response.finish_reason is not None:  # mlx-lm dropped the row, handed back its KV
                 del in_batch[response.uid]
                 row.uid = None
-                commit(self._engine, list(response.all_tokens or []), response.prompt_cache)
+                tokens = list(response.all_tokens or [])
+                commit(self._engine, tokens, response.prompt_cache, row.cache_salt)
         return first_token
 
     def _keep_checkpoints(self, uids: list[int]) -> None:
         """Give the prompt cache what the rows ``uids`` hold at the end of their prompt but
         its last token (mlx-lm feeds that one with the first decode step)."""
-        for caches, tokens in self._generator.extract_cache(uids).values():
-            commit(self._engine, list(tokens), caches)
+        for uid, (caches, tokens) in self._generator.extract_cache(uids).items():
+            commit(self._engine, list(tokens), caches, self._row_of_uid[uid].cache_salt)
 
     def _apply_budget(self) -> None:
         """Set the next ``BatchGenerator.next()``'s prompts and chunk by the token budget:
@@ -332,6 +342,7 @@ class GeneratorRows:
 
     def close(self) -> None:
         self._row_of_uid.clear()
+        self._detached.clear()
         self._generator.close()
 
 

@@ -79,7 +79,8 @@ class Generation:
         params = self._request.params
         prompt = list(self._request.prompt_tokens)
         prompt_cache = self._engine.prompt_cache
-        hit = prompt_cache.take(prompt) if prompt_cache is not None else None
+        salt = self._request.cache_salt
+        hit = prompt_cache.take(prompt, salt) if prompt_cache is not None else None
         kv = hit.cache if hit is not None else make_prompt_cache(self._engine.model)
         skip = hit.num_tokens if hit is not None else 0
         self._decoder.num_cached_tokens = skip
@@ -88,7 +89,7 @@ class Generation:
             # The only entry a request like this one can reuse is its prompt but the last token
             # (engine/caches.py): prefilled here, kept, then generate_step goes on from there.
             done = self._prefill(prompt[skip:-1], kv, len(prompt) - skip)
-            prompt_cache.put(prompt[: skip + done], copy.deepcopy(kv))
+            prompt_cache.put(prompt[: skip + done], copy.deepcopy(kv), salt)
             on_progress = _offset_progress(on_progress, done)
             skip += done
         processors = make_row_processors(params, self._engine.tokenizer)
@@ -119,7 +120,7 @@ class Generation:
             steps.close()
             held = tokens_held(kv)
             if prompt_cache is not None and held is not None:
-                prompt_cache.put((prompt + generated)[:held], kv)
+                prompt_cache.put((prompt + generated)[:held], kv, salt)
 
     def _prefill(self, tokens: list[int], kv: list[Any], total: int) -> int:
         """Feed ``tokens`` to the model over ``kv`` in chunks, as ``generate_step`` prefills,

@@ -144,11 +144,14 @@ class PreparedRequest:
     ``fail_sampler_at`` is fault injection (the chaos harness's ``sampler_error``): the row's
     sampler fails inside MLX at its draw of that index (from 0; a batch row may have emitted
     one token fewer by then, as the batch draws a step ahead). Clients never set it.
+    ``cache_salt``: the prompt cache's partition (``PromptCache``): a request reuses only what
+    requests of the same salt left (None: the shared one).
     """
 
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
     fail_sampler_at: int | None = None
+    cache_salt: str | None = None
 
 
 def _check_int(param: str, value: object, *, low: int, high: int | None = None) -> None:

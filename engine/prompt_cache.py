@@ -6,6 +6,11 @@ wrapper counts hits, misses, reused tokens and evictions, never hands out a cach
 nothing to prefill (the model needs one token to produce logits), and only accepts entries that
 fit the budget. Both lanes use one instance; it lives on the engine thread.
 
+Entries are partitioned by a request's ``cache_salt`` (vLLM's name): a request reuses only what
+requests of its salt left, so one client cannot learn from ``cached_tokens`` whether another
+sent a prompt (the HTTP server salts by API key when it has several, and by the request's own
+``cache_salt``). Requests without one share a partition.
+
 Under a memory budget the cache lives in the KV pool beside the live requests: the engine core
 gives it the room they leave (:meth:`PromptCache.bound_by`), and the cache keeps its entries'
 real bytes within the smaller of that and its own budget, trimming as it takes an entry and
@@ -14,6 +19,7 @@ whenever the core asks (:meth:`PromptCache.fit`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -84,9 +90,15 @@ class PromptCache:
         self._lru.trim_to(n_bytes=limit)
         self._evictions += before - len(self._lru)
 
-    def take(self, tokens: list[int]) -> CacheHit | None:
-        """The KV for the longest cached prefix of ``tokens``, leaving at least one to prefill."""
-        cache, rest = self._lru.fetch_nearest_cache(self._key, tokens)
+    def _partition(self, salt: str | None) -> str:
+        if salt is None:
+            return self._key
+        return f"{self._key}#{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
+
+    def take(self, tokens: list[int], salt: str | None = None) -> CacheHit | None:
+        """The KV for the longest prefix of ``tokens`` cached under ``salt``, leaving at least
+        one to prefill."""
+        cache, rest = self._lru.fetch_nearest_cache(self._partition(salt), tokens)
         if cache is None:
             self._misses += 1
             return None
@@ -104,8 +116,9 @@ class PromptCache:
         self._hit_tokens += cached
         return CacheHit(cache, cached)
 
-    def put(self, tokens: list[int], cache: list[Any]) -> None:
-        """Keep ``cache``, which holds the KV (or recurrent state) of exactly ``tokens``."""
+    def put(self, tokens: list[int], cache: list[Any], salt: str | None = None) -> None:
+        """Keep ``cache``, which holds the KV (or recurrent state) of exactly ``tokens``,
+        under ``salt``."""
         if len(tokens) < MIN_TOKENS or not cache:
             return
         held = tokens_held(cache)
@@ -119,7 +132,7 @@ class PromptCache:
         # A batch row's cache is a lazy slice of the whole batch's KV; left lazy it would keep
         # that whole buffer alive (measured: ~8x what the budget counts). Evaluate it now.
         mx.eval([c.state for c in cache])
-        self._lru.insert_cache(self._key, list(tokens), cache)
+        self._lru.insert_cache(self._partition(salt), list(tokens), cache)
         self._trim(limit)
 
     def statistics(self) -> PromptCacheStatistics:

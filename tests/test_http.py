@@ -363,7 +363,7 @@ def test_overload_gets_503_with_retry_after():
 
 
 def test_api_key_is_required_except_for_health():
-    options = ServeOptions(http=HttpSettings(api_key="s3cret"))
+    options = ServeOptions(http=HttpSettings(api_keys=("s3cret",)))
     with ServerThread(options, engine=ScriptedEngine()) as server:
         wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200)
         missing = httpx.get(f"{server.url}/v1/models")

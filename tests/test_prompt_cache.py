@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
@@ -10,7 +12,7 @@ from mlx_trio.engine.budget import MemoryLimit
 from mlx_trio.engine.core import EngineCore
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowOutput
-from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from tests.tiny import make_loaded
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -27,15 +29,21 @@ def engine_with_cache(loaded, budget: int = 64 << 20) -> Engine:
     return Engine(loaded, prefill_step_size=16, prompt_cache_bytes=budget)
 
 
-def serial(engine: Engine, prompt: str) -> tuple[list[int], int]:
-    generation = engine.generate(engine.prepare(prompt, GREEDY))
+def prepare(engine: Engine, prompt: str, salt: str | None = None) -> PreparedRequest:
+    return replace(engine.prepare(prompt, GREEDY), cache_salt=salt)
+
+
+def serial(engine: Engine, prompt: str, salt: str | None = None) -> tuple[list[int], int]:
+    generation = engine.generate(prepare(engine, prompt, salt))
     tokens = [t for d in generation for t in d.token_ids]
     return tokens, generation.stats().cached_tokens
 
 
-def batched(engine: Engine, prompts: list[str]) -> list[tuple[list[int], int]]:
+def batched(
+    engine: Engine, prompts: list[str], salt: str | None = None
+) -> list[tuple[list[int], int]]:
     batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
-    rows = [batch.add(engine.prepare(p, GREEDY)) for p in prompts]
+    rows = [batch.add(prepare(engine, p, salt)) for p in prompts]
     tokens: dict[int, list[int]] = {row: [] for row in rows}
     cached: dict[int, int] = {}
     while batch.num_rows:
@@ -78,6 +86,39 @@ def test_hits_give_the_same_greedy_output_as_no_cache(loaded, lane):
     assert cached > 0
     stats = engine.prompt_cache.statistics()
     assert stats.hits == 3 and stats.misses == 1
+
+
+@pytest.mark.parametrize("lane", ["serial", "batch"])
+def test_a_salt_reuses_only_what_its_own_requests_left(loaded, lane):
+    """vLLM's ``cache_salt``: a request of one salt never hits another salt's entries (nor the
+    unsalted ones), so ``cached_tokens`` tells it nothing of the others' prompts."""
+    engine = engine_with_cache(loaded)
+
+    def run(salt: str | None) -> tuple[list[int], int]:
+        if lane == "serial":
+            return serial(engine, FIRST, salt)
+        return batched(engine, [FIRST], salt)[0]
+
+    first, cached = run("alice")
+    assert cached == 0
+    for other in ("bob", None):
+        tokens, cached = run(other)
+        assert tokens == first and cached == 0
+    again, cached = run("alice")
+    assert again == first and cached == len(engine.prepare(FIRST, GREEDY).prompt_tokens) - 1
+    assert run("bob")[1] > 0 and run(None)[1] > 0  # each partition has its own entry now
+
+
+def test_a_cancelled_salted_row_commits_under_its_salt(loaded):
+    engine = engine_with_cache(loaded)
+    long_prompt = SYSTEM * 4 + "Summarize all of that."
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
+    row = batch.add(prepare(engine, long_prompt, "alice"))
+    for _ in range(3):
+        batch.step()
+    batch.remove([row])
+    assert batched(engine, [long_prompt], "bob")[0][1] == 0
+    assert batched(engine, [long_prompt], "alice")[0][1] >= 32
 
 
 def test_the_lanes_share_one_cache(loaded):
