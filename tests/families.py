@@ -4,7 +4,8 @@ Each is a few layers of mlx-lm's own model class for that family, with seeded ra
 and the tests' byte-level tokenizer (``tests/tiny.py``), so its caches are the family's real
 ones: key-value caches (llama, qwen3, the MoE families), sliding windows shorter than the tests'
 prompts (gemma3_text, gpt_oss: ``RotatingKVCache``), recurrent states beside attention
-(qwen3_5, qwen3_next: ``ArraysCache``) or alone (mamba2), and a 4-bit checkpoint. The
+(qwen3_5, qwen3_next: ``ArraysCache``; falcon_h1: a ``CacheList`` of both in each layer) or
+alone (mamba2), and a 4-bit checkpoint. The
 reference for every test is mlx-lm's own greedy ``generate_step`` over the same model.
 """
 
@@ -108,9 +109,27 @@ CONFIGS: dict[str, dict[str, Any]] = {
         time_step_limit=[0.0, 1e9],
         time_step_rank="auto",
     ),
+    "falcon_h1": dict(  # each layer a CacheList: a Mamba2 state beside attention
+        model_type="falcon_h1",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_d_conv=4,
+        mamba_d_head=16,
+        mamba_d_ssm=64,
+        mamba_d_state=16,
+        mamba_n_heads=4,
+        mamba_chunk_size=16,
+        tie_word_embeddings=False,  # tied, its random text is one token over and over
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+    ),
 }
 FAMILIES = list(CONFIGS)
-RECURRENT = ["qwen3_5", "qwen3_next", "mamba2"]  # caches that cannot rewind
+RECURRENT = ["qwen3_5", "qwen3_next", "mamba2", "falcon_h1"]  # caches that cannot rewind
 
 
 def config(family: str) -> dict[str, Any]:

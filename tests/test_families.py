@@ -101,7 +101,7 @@ def test_a_recurrent_models_rows_are_never_rewound(family):
     engine = make_engine(family)
     abilities = engine.caches
     assert abilities.batch and not abilities.rewind and abilities.checkpoints
-    assert "ArraysCache" in abilities.kinds
+    assert any("ArraysCache" in kind for kind in abilities.kinds)
     batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
     request = engine.prepare(PROMPTS[0], GREEDY)
     row = batch.add(request)
