@@ -187,13 +187,15 @@ def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save("qwen3_5", tmp_path_factory.mktemp("models") / "tiny-qwen3_5")
 
 
-async def test_the_in_process_api_serves_a_hybrid_checkpoint(hybrid_dir):
-    """``open_runtime(model=DIR)``: loaded as a user's checkpoint is, on the engine thread,
-    four at once and a repeat; mlx-lm's text, and the repeat's prompt from the cache."""
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine thread", "engine process"])
+async def test_the_in_process_api_serves_a_hybrid_checkpoint(hybrid_dir, engine_process):
+    """``open_runtime(model=DIR)``: loaded as a user's checkpoint is, on the engine thread and
+    in an engine process, four at once and a repeat; mlx-lm's text, and the repeat's prompt
+    from the cache."""
     engine = make_engine("qwen3_5")
     want = expected(engine, [engine.prepare(p, GREEDY) for p in PROMPTS])
     async with open_runtime(
-        str(hybrid_dir), device="cpu", engine_process=False, prompt_cache_bytes=1 << 26
+        str(hybrid_dir), device="cpu", engine_process=engine_process, prompt_cache_bytes=1 << 26
     ) as rt:
         results: dict[int, Any] = {}
 
