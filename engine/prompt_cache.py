@@ -8,8 +8,8 @@ fit the budget. Both lanes use one instance; it lives on the engine thread.
 
 Entries are partitioned by a request's ``cache_salt`` (vLLM's name): a request reuses only what
 requests of its salt left, so one client cannot learn from ``cached_tokens`` whether another
-sent a prompt (the HTTP server salts by API key when it has several, and by the request's own
-``cache_salt``). Requests without one share a partition.
+sent a prompt (the HTTP server salts by the API key a request came with, so several keys keep
+apart, and by the request's own ``cache_salt``). Requests without one share a partition.
 
 Under a memory budget the cache lives in the KV pool beside the live requests: the engine core
 gives it the room they leave (:meth:`PromptCache.bound_by`), and the cache keeps its entries'
