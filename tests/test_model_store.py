@@ -311,7 +311,8 @@ def test_unsupported_gguf_is_refused_and_leaves_nothing(tmp_path, architecture, 
 
 def test_paths_that_are_not_models_are_refused(tmp_path: Path) -> None:
     missing = str(tmp_path / "nowhere.gguf")
-    with pytest.raises(ModelNotFoundError, match=f"^model not found: {re.escape(missing)}$"):
+    why = " (not a file, a directory or a Hugging Face id org/name)"
+    with pytest.raises(ModelNotFoundError, match=f"^model not found: {re.escape(missing + why)}$"):
         resolve_model(missing)
     (tmp_path / "weights.bin").write_bytes(b"PK\x03\x04 not a gguf")
     with pytest.raises(UnsupportedModelError, match=r"^not a model directory or a GGUF file: "):
