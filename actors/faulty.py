@@ -22,10 +22,10 @@ from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Prompt
 from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
+from .port import EngineLiveness, EnginePort
 
 if TYPE_CHECKING:
     from ..engine.caches import BatchMode
-from .port import EngineLiveness, EnginePort
 
 logger = logging.getLogger(__name__)
 

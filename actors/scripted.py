@@ -32,9 +32,6 @@ from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.prompt import Chat, Prompt, check_fits, check_messages
 from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-
-if TYPE_CHECKING:
-    from ..engine.caches import BatchMode
 from .port import ALWAYS_UP, EngineLiveness
 from .script import (
     BYTES_PER_TOKEN,
@@ -52,6 +49,9 @@ from .script import (
     scripted_budget,
     token_text,
 )
+
+if TYPE_CHECKING:
+    from ..engine.caches import BatchMode
 
 __all__ = [
     "BYTES_PER_TOKEN",
