@@ -25,7 +25,7 @@ from mlx_lm.models.cache import ConcatenateKVCache
 from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Completed, GenerationRequest
-from mlx_trio.api.inprocess import open_runtime
+from mlx_trio.api.inprocess import Collected, RuntimeHandle, open_runtime
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.batch import BatchEngine
 from mlx_trio.engine.caches import CacheAbilities
@@ -58,6 +58,19 @@ def run_batch(batch: BatchEngine, requests: list[PreparedRequest]) -> list[list[
             if isinstance(event, RowOutput):
                 tokens[event.row].extend(event.delta.token_ids)
     return [tokens[row] for row in rows]
+
+
+async def collect_together(rt: RuntimeHandle, prompts: list[str]) -> list[Collected]:
+    """Each prompt's greedy reply, all submitted at once."""
+    results: dict[int, Collected] = {}
+
+    async def ask(i: int) -> None:
+        results[i] = await rt.collect(GenerationRequest(prompts[i], GREEDY))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(ask, i)
+    return [results[i] for i in range(len(prompts))]
 
 
 def serial(engine: Engine, request: PreparedRequest) -> tuple[list[int], int]:
@@ -155,14 +168,7 @@ async def test_a_model_whose_caches_cannot_batch_serves_every_request_on_the_ser
         port = ThreadedEngine(engine, thread, max_batch=4)
         async with open_runtime(engine=port, max_batch=4) as rt:
             assert rt.statistics().batch_mode == "serial"
-            results: dict[int, Any] = {}
-
-            async def ask(i: int) -> None:
-                results[i] = await rt.collect(GenerationRequest(PROMPTS[i], GREEDY))
-
-            async with trio.open_nursery() as nursery:
-                for i in range(3):
-                    nursery.start_soon(ask, i)
+            results = await collect_together(rt, PROMPTS[:3])
             stats = rt.statistics()
     assert all(isinstance(results[i].outcome, Completed) for i in range(3))
     assert stats.rows_submitted == {"batch": 0, "serial": 3}
@@ -197,14 +203,7 @@ async def test_the_in_process_api_serves_a_hybrid_checkpoint(hybrid_dir, engine_
     async with open_runtime(
         str(hybrid_dir), device="cpu", engine_process=engine_process, prompt_cache_bytes=1 << 26
     ) as rt:
-        results: dict[int, Any] = {}
-
-        async def ask(i: int) -> None:
-            results[i] = await rt.collect(GenerationRequest(PROMPTS[i], GREEDY))
-
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(ask, i)
+        results = await collect_together(rt, PROMPTS)
         again = await rt.collect(GenerationRequest(PROMPTS[0], GREEDY))
         stats = rt.statistics()
     assert [list(results[i].token_ids) for i in range(4)] == want
