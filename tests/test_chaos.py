@@ -25,7 +25,9 @@ from mlx_trio.api.chaos import (
     CLIENT_KINDS,
     FAULT_KINDS,
     ChaosReport,
+    ClientFault,
     FaultPlan,
+    RequestPlan,
     run_on_model,
     run_plan,
     run_scripted,
@@ -403,3 +405,22 @@ def test_a_chaos_run_that_kills_the_engine_process_on_the_default_model():
     assert report.ok, report.table()
     assert report.run.injected["engine_crash"] == 1
     assert report.run.statistics.engine.restarts == 1 and report.run.statistics.is_healthy
+
+
+def test_a_client_fault_whose_carriers_the_shutdown_refused_is_not_a_broken_invariant():
+    """A planned cancel is due after the planned shutdown: every request that could carry it
+    is refused, so it is never injected; that is the plan's own timing, not a lost fault (a
+    slow machine's HTTP run met it so). Without the shutdown the same fault must be injected."""
+    requests = tuple(RequestPlan(number=i, start_s=0.5 + 0.01 * i, max_tokens=8) for i in range(4))
+    cut = FaultPlan(
+        seed=0,
+        requests=requests,
+        shutdown_at_s=0.1,
+        client_faults=(ClientFault("cancel", after_events=1, at_s=0.4),),
+    )
+    report = run_virtual(cut)
+    assert report.ok, report.table()
+    assert not report.run.injected["cancel"]
+    assert all(r.refused == "shutting_down" for r in report.run.requests)
+    whole = run_virtual(replace(cut, shutdown_at_s=None))
+    assert whole.ok and whole.run.injected["cancel"] == 1, whole.table()
