@@ -293,9 +293,9 @@ class GeneratorRows:
             if (row := in_batch.get(response.uid)) is not None:
                 done, total = response.progress
                 progress[row.id] = RowProgress(row=row.id, done=done, total=total)
-                if response.end_of_segment and not response.end_of_prompt:
+                if self._checkpoints and response.end_of_segment and not response.end_of_prompt:
                     checkpoints.append(response.uid)
-        if checkpoints and self._checkpoints:
+        if checkpoints:
             self._keep_checkpoints(checkpoints)
         # This runs for every generating row in every step, on the thread that also builds the
         # next step: its first-token check is done only where a first token can be (a row's
