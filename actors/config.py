@@ -12,6 +12,8 @@ from ..engine.outputs import PromptCacheStatistics
 from .messages import CancelReason, FailureCode
 from .port import ALWAYS_UP, EngineLiveness
 
+DEFAULT_RETRY_AFTER_S = 1.0
+
 
 @dataclass(frozen=True, slots=True)
 class RuntimeConfig:
@@ -29,25 +31,23 @@ class RuntimeConfig:
     (tokens per row per event); None picks it per call, 1 unless the event loop's measured CPU
     time per call is a noticeable share of the call's steps (see ``BatchGroup``).
     ``max_engine_restarts``: how many times the engine's supervisor restarts a dead or wedged
-    engine within ten minutes before it gives up (0: never). ``max_preparation_tokens`` and
-    ``max_iteration_tokens``: the batch's token budget (``engine/schedule.py``; None: the
-    device's).
+    engine within ten minutes before it gives up (0: never). ``retry_after_s``: what a refused
+    client is told to wait (admission full, or the engine restarting). What the engine itself
+    is built from is ``engine/options.py``'s ``EngineOptions``.
     """
 
-    max_batch: int = 8
+    max_batch: int = 32
     max_live: int | None = None
-    max_queued: int = 64
+    max_queued: int = 256
     event_buffer: int = 64
     idle_timeout_s: float = 30.0
     step_timeout_s: float = 60.0
     shutdown_grace_s: float = 10.0
-    retry_after_s: float = 1.0
+    retry_after_s: float = DEFAULT_RETRY_AFTER_S
     unhealthy_after_faults: int = 3
     admission_window_s: float = 0.005
     steps_per_call: int | None = None
     max_engine_restarts: int = 5
-    max_preparation_tokens: int | None = None
-    max_iteration_tokens: int | None = None
 
     @property
     def live_limit(self) -> int:

@@ -26,6 +26,7 @@ import trio
 
 from ..engine.errors import OverloadedError, RuntimeClosedError
 from .channels import offer, receiver_left
+from .config import DEFAULT_RETRY_AFTER_S
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class AdmissionGate:
         *,
         max_live: int,
         max_queued: int,
-        retry_after_s: float = 1.0,
+        retry_after_s: float = DEFAULT_RETRY_AFTER_S,
         kv_pool_bytes: int | None = None,
     ) -> None:
         """``kv_pool_bytes``: the KV bytes the permits' projections may add up to (None: not

@@ -42,6 +42,7 @@ from ..engine.errors import (
     RuntimeRefusal,
     UnsupportedModelError,
 )
+from ..engine.options import EngineOptions
 from ..engine.outputs import FinishReason, TokenLogprob
 from ..engine.params import Grammar, SamplingParams
 from ..engine.prompt import Chat, ChatMessage
@@ -67,6 +68,7 @@ __all__ = [
     "Content",
     "ContextLengthExceededError",
     "EngineError",
+    "EngineOptions",
     "EngineUnavailableError",
     "Event",
     "Failed",

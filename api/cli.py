@@ -9,10 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ..engine.budget import MemoryLimit
+from ..actors.config import RuntimeConfig
 from ..engine.errors import InvalidRequestError, MlxTrioError
+from ..engine.options import EngineOptions
 from ..engine.params import MAX_STOP_STRINGS, SamplingParams
-from ..engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
+from ..engine.sampling_defaults import SamplingDefaults
 from . import bench as bench_harness
 from .chaos import command as chaos_command
 from .cli_args import (
@@ -25,20 +26,27 @@ from .cli_args import (
     TOKENS,
     HelpFormatter,
     flag_of,
+    given,
     hub_id,
     integer,
     logit_bias,
     memory_limit,
     model,
-    model_refused,
     nonempty,
     number,
     sampling,
     seconds,
 )
-from .cli_ranks import add_rank_flags, generate_on_ranks, rank_group
+from .cli_generate import generate
+from .cli_ranks import add_rank_flags, rank_group
+from .http_state import HttpSettings
+from .server import ServeOptions
 
 logger = logging.getLogger("mlx_trio.cli")
+ENGINE = EngineOptions()  # the defaults the flags' help shows
+RUNTIME = RuntimeConfig()
+HTTP = HttpSettings()
+SERVE = ServeOptions()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -159,6 +167,15 @@ def _sampling_params(args: argparse.Namespace, defaults: SamplingDefaults) -> Sa
     )
 
 
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "gpu"],
+        default=None,
+        help=f"auto: a GPU if any (default: {ENGINE.device})",
+    )
+
+
 def _add_memory_limit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory-limit",
@@ -168,12 +185,6 @@ def _add_memory_limit(parser: argparse.ArgumentParser) -> None:
         "weights, activations and KV cache stay within it, requests wait for KV room "
         "(default: 0.9 of a GPU's memory, 0.5 of the CPU's)",
     )
-
-
-def _memory_limit(args: argparse.Namespace) -> MemoryLimit | None:
-    """``--memory-limit`` (parsed and checked as the flags are)."""
-    limit: MemoryLimit | None = args.memory_limit
-    return limit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,39 +222,43 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--system", default=None, help="system message (chat only; default: none)"
     )
-    generate.add_argument(
-        "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: a GPU if any"
-    )
+    _add_device(generate)
     _add_memory_limit(generate)
     _add_sampling_flags(generate)
     add_rank_flags(generate)
 
     serve = command("serve", help="serve an OpenAI-compatible HTTP API")
     serve.add_argument(
-        "--host", type=nonempty("--host"), default="127.0.0.1", help="address to listen on"
+        "--host",
+        type=nonempty("--host"),
+        default=None,
+        help=f"address to listen on (default: {SERVE.host})",
     )
-    serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (0: any free)")
+    serve.add_argument(
+        "--port",
+        type=PORT,
+        default=None,
+        help=f"port to listen on (0: any free; default: {SERVE.port})",
+    )
     serve.add_argument(
         "--model",
         type=model,
         default=None,
         help=MODEL_HELP,
     )
-    serve.add_argument(
-        "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: a GPU if any"
-    )
+    _add_device(serve)
     serve.add_argument(
         "--engine",
         choices=["auto", "thread", "process"],
-        default="auto",
+        default=None,
         help="run the model on a thread beside the server or in a process of its own "
         "(default: a process on a GPU, a thread on CPU)",
     )
     serve.add_argument(
         "--max-batch",
         type=integer(1, MAX_ROWS),
-        default=32,
-        help="rows per batch (1: no batching)",
+        default=None,
+        help=f"rows per batch (1: no batching; default: {RUNTIME.max_batch})",
     )
     serve.add_argument(
         "--max-live",
@@ -254,14 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-queued",
         type=integer(0, MAX_SESSIONS),
-        default=256,
-        help="sessions waiting for admission",
+        default=None,
+        help=f"sessions waiting for admission (default: {RUNTIME.max_queued})",
     )
     serve.add_argument(
         "--max-n",
         type=integer(1, MAX_ROWS),
-        default=8,
-        help="the most choices a request may ask for: n times its prompts (completions)",
+        default=None,
+        help="the most choices a request may ask for: n times its prompts (completions; "
+        f"default: {HTTP.max_n})",
     )
     serve.add_argument(
         "--api-key",
@@ -274,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-body-bytes",
         type=integer(1024, 1 << 30),
-        default=2 * 1024 * 1024,
-        help="largest request body, 1 KiB to 1 GiB",
+        default=None,
+        help=f"largest request body, 1 KiB to 1 GiB (default: {HTTP.max_body_bytes})",
     )
     _add_default_flags(
         serve.add_argument_group("sampling defaults, for what a request omits"),
@@ -289,10 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request may take (default: none)",
     )
     serve.add_argument(
-        "--idle-timeout", type=seconds(), default=30.0, help="seconds a reader may stall"
+        "--idle-timeout",
+        type=seconds(),
+        default=None,
+        help=f"seconds a reader may stall (default: {RUNTIME.idle_timeout_s:g})",
     )
     serve.add_argument(
-        "--step-timeout", type=seconds(), default=60.0, help="engine step watchdog, seconds"
+        "--step-timeout",
+        type=seconds(),
+        default=None,
+        help=f"engine step watchdog, seconds (default: {RUNTIME.step_timeout_s:g})",
     )
     serve.add_argument(
         "--steps-per-call",
@@ -303,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shutdown-grace",
         type=seconds(zero=True),
-        default=10.0,
-        help="seconds in-flight requests get to finish on shutdown",
+        default=None,
+        help="seconds in-flight requests get to finish on shutdown "
+        f"(default: {RUNTIME.shutdown_grace_s:g})",
     )
     serve.add_argument(
         "--max-preparation-tokens",
@@ -322,8 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--engine-restarts",
         type=integer(0, 1000),
-        default=5,
-        help="restarts of a dead or wedged engine within 10 minutes before giving up (0: never)",
+        default=None,
+        help="restarts of a dead or wedged engine within 10 minutes before giving up (0: never; "
+        f"default: {RUNTIME.max_engine_restarts})",
     )
     serve.add_argument(
         "--prompt-cache-bytes",
@@ -373,84 +397,38 @@ MODEL_HELP = (
 )
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from ..engine.budget import default_limit
-    from ..engine.core import plan_memory
-    from ..engine.generate import Engine
-    from ..engine.loader import runs_on_gpu
-    from ..engine.memory import apply_budget
-    from ..engine.prompt import ChatMessage
-
-    flags = _flag_defaults(args)
-    ranks = rank_group(args)
-    if ranks is not None:
-        return generate_on_ranks(
-            args,
-            ranks,
-            lambda model: _sampling_params(args, flags.over(model)),
-            _memory_limit(args),
-        )
-    limit = _memory_limit(args) or default_limit(runs_on_gpu(args.device))
-    engine = Engine.load(args.model, device=args.device, memory_limit=limit)
-    budget = plan_memory(engine, max_batch=1)
-    layers: list[tuple[Source, SamplingDefaults]] = [
-        ("flag", flags),
-        ("model", engine.sampling_defaults),
-        ("built-in", built_in()),
-    ]
-    logger.info("sampling defaults: %s", describe(layers))
-    params = _sampling_params(args, flags.over(engine.sampling_defaults))
-    if args.raw:
-        prompt: str | list[ChatMessage] = args.prompt
-    else:
-        prompt = [ChatMessage("user", args.prompt)]
-        if args.system is not None:
-            prompt.insert(0, ChatMessage("system", args.system))
-    try:
-        request = engine.prepare(prompt, params)
-    except InvalidRequestError as exc:  # --top-k, token ids: only the model knows its vocabulary
-        raise model_refused(exc) from None
-    if budget is not None:
-        apply_budget(budget)
-        field = "prompt" if args.raw else "messages"
-        budget.check_fits(len(request.prompt_tokens), params.max_tokens, prompt_param=field)
-    generation = engine.generate(request)
-    finish = None
-    for delta in generation:
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
-        finish = delta.finish_reason
-    sys.stdout.write("\n")
-    stats = generation.stats()
-    logger.info(
-        "%s: %d prompt tokens, %d generated (finish: %s), prefill %.2f s, decode %.1f tok/s",
-        engine.model_id,
-        stats.prompt_tokens,
-        stats.generated_tokens,
-        finish,
-        stats.prefill_s,
-        stats.decode_tokens_per_s,
-    )
-    return 0
-
-
-def _serve(args: argparse.Namespace) -> int:
-    import trio
-
-    from ..actors.config import RuntimeConfig
-    from .http_state import HttpSettings
-    from .server import ServeOptions, serve
-
-    options = ServeOptions(
-        host=args.host,
-        port=args.port,
+def _engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine's options the flags give (``EngineOptions``' defaults for the rest)."""
+    engine = getattr(args, "engine", None)
+    return given(
+        EngineOptions,
         model=args.model,
         device=args.device,
-        prompt_cache_bytes=args.prompt_cache_bytes,
-        memory_limit=_memory_limit(args),
-        engine_process={"auto": None, "thread": False, "process": True}[args.engine],
+        memory_limit=args.memory_limit,
+        prompt_cache_bytes=getattr(args, "prompt_cache_bytes", None),
+        max_preparation_tokens=getattr(args, "max_preparation_tokens", None),
+        max_iteration_tokens=getattr(args, "max_iteration_tokens", None),
+        engine_process=None if engine in (None, "auto") else engine == "process",
         ranks=rank_group(args),
-        runtime=RuntimeConfig(
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    flags = _flag_defaults(args)
+    return generate(
+        args, _engine_options(args), lambda model: _sampling_params(args, flags.over(model)), flags
+    )
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """``serve``'s options from its flags: each flag not given takes its dataclass's default."""
+    return given(
+        ServeOptions,
+        host=args.host,
+        port=args.port,
+        engine=_engine_options(args),
+        runtime=given(
+            RuntimeConfig,
             max_batch=args.max_batch,
             max_live=args.max_live,
             max_queued=args.max_queued,
@@ -459,10 +437,9 @@ def _serve(args: argparse.Namespace) -> int:
             shutdown_grace_s=args.shutdown_grace,
             steps_per_call=args.steps_per_call,
             max_engine_restarts=args.engine_restarts,
-            max_preparation_tokens=args.max_preparation_tokens,
-            max_iteration_tokens=args.max_iteration_tokens,
         ),
-        http=HttpSettings(
+        http=given(
+            HttpSettings,
             api_keys=_api_keys(args.api_key),
             max_body_bytes=args.max_body_bytes,
             max_n=args.max_n,
@@ -470,7 +447,14 @@ def _serve(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout,
         ),
     )
-    trio.run(serve, options)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from .server import serve
+
+    trio.run(serve, serve_options(args))
     return 0
 
 

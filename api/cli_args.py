@@ -17,13 +17,15 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..engine.budget import MemoryLimit
 from ..engine.errors import InvalidRequestError, MlxTrioError
 from ..engine.gguf_header import is_gguf
 from ..engine.hub import HubId, parse_hub_id
 from ..engine.params import MAX_SEED, SamplingParams
+
+T = TypeVar("T")
 
 MAX_ROWS = 65_536  # --max-batch, --max-n
 MAX_SESSIONS = 1_000_000  # --max-live, --max-queued
@@ -225,6 +227,12 @@ def _json(path: Path) -> Any:
 def _json_object(path: Path) -> None:
     if not isinstance(_json(path), dict):
         raise argparse.ArgumentTypeError(f"{path} is not a JSON object")
+
+
+def given(cls: Callable[..., T], **values: object) -> T:
+    """``cls`` built from the flags given (not None); the dataclass's defaults for the rest,
+    so that each default is defined once, in the dataclass."""
+    return cls(**{name: value for name, value in values.items() if value is not None})
 
 
 def flag_of(param: str | None) -> str:

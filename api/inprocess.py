@@ -22,10 +22,9 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from functools import partial
-from typing import Literal
+from dataclasses import fields as fields_of
 
 import trio
 
@@ -41,8 +40,8 @@ from ..actors.messages import (
 from ..actors.port import EnginePort
 from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
-from ..engine.budget import MemoryLimit, default_limit
-from ..engine.rank_group import RankGroup
+from ..engine.budget import MemoryLimit
+from ..engine.options import EngineOptions
 from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
 
@@ -223,122 +222,62 @@ class RuntimeHandle:
 
 @asynccontextmanager
 async def open_runtime(
-    model: str | None = None,
+    model: str | EngineOptions | None = None,
     *,
     engine: EnginePort | None = None,
-    device: Literal["auto", "cpu", "gpu"] = "auto",
-    prompt_cache_bytes: int | None = None,
-    memory_limit: str | int | float | MemoryLimit | None = None,
-    engine_process: bool | None = None,
     config: RuntimeConfig | None = None,
-    ranks: RankGroup | None = None,
-    **config_fields: object,
+    **fields: object,
 ) -> AsyncIterator[RuntimeHandle]:
-    """Start a runtime on ``model`` (None: the embedded default) or on a given ``engine``.
+    """Start a runtime on ``model`` (a model directory, GGUF file or Hugging Face id; None:
+    the embedded default; or whole :class:`EngineOptions`) or on a given ``engine``.
 
-    ``prompt_cache_bytes``: the prompt cache's budget (None: an eighth of memory, at most
-    8 GiB; 0: off). ``memory_limit``: the memory budget (``"6GB"``, ``"512MiB"``, bytes, or a
-    share of the device's memory such as ``0.3``; None: 0.9 of a GPU's, 0.5 of the CPU's):
-    MLX's limits are set to it, and admission counts each request's projected KV bytes
-    against what the weights and activations leave of it (design/015); a given ``engine``
-    has its own. ``engine_process``: run the model in a child process of its own instead of
-    on a thread beside the event loop; None picks the process on a GPU, where the two threads'
-    shared GIL costs the most (design/009). Either runs under a supervisor that restarts it if
-    it dies or wedges (``max_engine_restarts`` in a crash loop, then gives up; design/016).
-    ``ranks``: run the engine over a group of ranks that ``mlx.launch`` starts, the model split
-    over them (``RankGroup(3, "tensor")``; design/020); the prompt cache is off there.
-    Keyword arguments are :class:`RuntimeConfig` fields (``max_batch=8``, ...).
-    On exit, admission closes and in-flight requests get ``shutdown_grace_s`` to finish.
+    Keyword arguments are :class:`EngineOptions` fields (``device="cpu"``,
+    ``prompt_cache_bytes=0``, ``memory_limit="6GB"`` or a share such as ``0.3``,
+    ``engine_process=True``, ``ranks=RankGroup(3, "tensor")``, ...) and :class:`RuntimeConfig`
+    fields (``max_batch=8``, ...): the engine is opened by ``open_engine``, on a thread or in a
+    process, under a supervisor that restarts it if it dies or wedges (design/016); a given
+    ``engine`` takes none of the engine's options. On exit, admission closes and in-flight
+    requests get ``shutdown_grace_s`` to finish. Raises ``TypeError`` for a keyword that is
+    neither's, ``InvalidRequestError`` for a memory limit that does not parse.
     """
-    config = replace(config or RuntimeConfig(), **config_fields)  # type: ignore[arg-type]
+    options, config = runtime_options(model, config, fields)
     if engine is not None:
         async with open_runtime_actors(engine, config) as runtime:
             yield RuntimeHandle(runtime)
         return
+    from ..actors.engine_port.open import open_engine
 
     async with (
-        open_supervised_port(
-            model, device, prompt_cache_bytes, engine_process, config, memory_limit, ranks
-        ) as port,
+        open_engine(options, config) as port,
         open_runtime_actors(port, config) as runtime,
     ):
         yield RuntimeHandle(runtime)
 
 
-def open_supervised_port(
-    model: str | None,
-    device: str,
-    prompt_cache_bytes: int | None,
-    engine_process: bool | None,
-    config: RuntimeConfig,
-    memory_limit: str | int | float | MemoryLimit | None = None,
-    ranks: RankGroup | None = None,
-) -> AbstractAsyncContextManager[EnginePort]:
-    """The engine on a thread or in a process, under a supervisor that restarts it when it
-    dies or wedges (``actors/engine_port/supervisor.py``)."""
-    from ..actors.engine_port.port import CorePort, Transport
-    from ..actors.engine_port.process import open_process_transport
-    from ..actors.engine_port.supervisor import RestartPolicy, open_supervised_engine
-    from ..actors.engine_port.thread import open_thread_transport
-    from ..engine.batch import DEFAULT_PREFILL_CHUNK
-    from ..engine.calls import EngineStarted
-    from ..engine.generate import Engine, RequestPreparer
-    from ..engine.loader import load_tokenizer_only, runs_on_gpu
+_ENGINE_FIELDS = frozenset(f.name for f in fields_of(EngineOptions))
+_RUNTIME_FIELDS = frozenset(f.name for f in fields_of(RuntimeConfig))
 
-    on_gpu = runs_on_gpu(device)
-    if engine_process is None:
-        engine_process = on_gpu
-    if ranks is not None:
-        # Each rank's prompt cache would decide hits on its own; the ranks must not differ.
-        engine_process, prompt_cache_bytes = True, 0
-    limit = _memory_limit(memory_limit, on_gpu=on_gpu)
-    policy = RestartPolicy(
-        max_restarts=config.max_engine_restarts, step_timeout_s=config.step_timeout_s
-    )
-    chunk = DEFAULT_PREFILL_CHUNK
-    preparer: RequestPreparer | None = None
-    load_options = {
-        "device": device,
-        "prompt_cache_bytes": prompt_cache_bytes,
-        "max_preparation_tokens": config.max_preparation_tokens,
-        "max_iteration_tokens": config.max_iteration_tokens,
-        "memory_limit": limit,
-    }
 
-    @asynccontextmanager
-    async def start() -> AsyncIterator[tuple[Transport, EngineStarted]]:
-        nonlocal preparer
-        if engine_process:
-            if preparer is None:  # the tokenizer stays here, for every engine the child runs
-                loaded = await trio.to_thread.run_sync(load_tokenizer_only, model)
-                preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
-            build = partial(Engine.load, model, **load_options)
-            async with open_process_transport(
-                build, max_batch=config.max_batch, prefill_chunk=chunk, ranks=ranks
-            ) as (transport, reply):
-                assert reply.value is not None
-                yield transport, reply.value
-        else:
-            async with open_thread_transport(
-                model, max_batch=config.max_batch, prefill_chunk=chunk, **load_options
-            ) as (transport, started):
-                if preparer is None:
-                    preparer = transport.core.engine.preparer
-                yield transport, started
-
-    def make_port(transport: Transport, started: EngineStarted) -> CorePort:
-        return CorePort(
-            transport, started, preparer, max_batch=config.max_batch, prefill_chunk=chunk
+def runtime_options(
+    model: str | EngineOptions | None, config: RuntimeConfig | None, given: dict[str, object]
+) -> tuple[EngineOptions, RuntimeConfig]:
+    """``open_runtime``'s arguments sorted into the engine's options and the runtime's."""
+    options = model if isinstance(model, EngineOptions) else EngineOptions(model=model)
+    unknown = set(given) - _ENGINE_FIELDS - _RUNTIME_FIELDS
+    if unknown:
+        raise TypeError(
+            f"open_runtime() got unknown keyword arguments: {', '.join(sorted(unknown))}"
         )
-
-    return open_supervised_engine(start, make_port, policy)
-
-
-def _memory_limit(given: str | int | float | MemoryLimit | None, *, on_gpu: bool) -> MemoryLimit:
-    """``given`` parsed (raises ``InvalidRequestError``), or the device's default."""
-    if given is None:
-        return default_limit(on_gpu)
-    return given if isinstance(given, MemoryLimit) else MemoryLimit.parse(given)
+    engine_fields = {k: v for k, v in given.items() if k in _ENGINE_FIELDS}
+    if (limit := engine_fields.get("memory_limit")) is not None and not isinstance(
+        limit, MemoryLimit
+    ):
+        engine_fields["memory_limit"] = MemoryLimit.parse(limit)  # type: ignore[arg-type]
+    runtime_fields = {k: v for k, v in given.items() if k in _RUNTIME_FIELDS}
+    return (
+        replace(options, **engine_fields),  # type: ignore[arg-type]
+        replace(config or RuntimeConfig(), **runtime_fields),  # type: ignore[arg-type]
+    )
 
 
 def freeze_startup_heap() -> int:

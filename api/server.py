@@ -20,10 +20,9 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from ..actors.config import RuntimeConfig
 from ..actors.port import EnginePort
-from ..engine.budget import MemoryLimit
 from ..engine.errors import InvalidRequestError, MlxTrioError
+from ..engine.options import EngineOptions
 from ..engine.params import SamplingParams
-from ..engine.rank_group import RankGroup
 from ..engine.sampling_defaults import describe
 from .http import build_app
 from .http_state import AppState, HttpSettings
@@ -36,12 +35,7 @@ logger = logging.getLogger("mlx_trio.server")
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
-    model: str | None = None
-    device: str = "auto"
-    prompt_cache_bytes: int | None = None
-    memory_limit: MemoryLimit | None = None  # None: the default share of the device's memory
-    engine_process: bool | None = None  # None: on a GPU (see open_runtime)
-    ranks: RankGroup | None = None  # the engine over several ranks (see open_runtime)
+    engine: EngineOptions = field(default_factory=EngineOptions)  # the model, where it runs
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     http: HttpSettings = field(default_factory=HttpSettings)
     keep_alive_timeout_s: float = 5.0
@@ -123,16 +117,7 @@ async def serve(
         logger.info("listening on %s (loading the model)", url)
         task_status.started(url)
         try:
-            async with open_runtime(
-                options.model,
-                engine=engine,
-                device=options.device,  # type: ignore[arg-type]
-                prompt_cache_bytes=options.prompt_cache_bytes,
-                memory_limit=options.memory_limit,
-                engine_process=options.engine_process,
-                config=options.runtime,
-                ranks=options.ranks,
-            ) as rt:
+            async with open_runtime(options.engine, engine=engine, config=options.runtime) as rt:
                 await _check_flags_against_the_model(rt, options)
                 state.runtime = rt
                 state.model_id = rt.model_id

@@ -120,7 +120,7 @@ async def main_async(args: argparse.Namespace) -> None:
         )
         rows = {}
         for name, engine in (("cache off", off), ("cache on", on)):
-            port = ThreadedEngine(engine, thread, max_batch=args.conversations)
+            port = ThreadedEngine.over(engine, thread, max_batch=args.conversations)
             await port.batch_reset()
             turns, elapsed = await run_mode(
                 port, system, args.conversations, args.turns, args.max_tokens

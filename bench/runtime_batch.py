@@ -32,6 +32,7 @@ from mlx_trio.api.bench.scenarios import prompt
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
 from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.options import CoreRecipe
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.prompt import ChatMessage
 
@@ -123,12 +124,12 @@ async def main_async(args: argparse.Namespace) -> None:
     async with AsyncExitStack() as stack:
         thread = stack.enter_context(EngineThread())
         engine = await thread.run(lambda: Engine.load(args.model))
-        threaded = ThreadedEngine(engine, thread, max_batch=args.sessions)
+        threaded = ThreadedEngine.over(engine, thread, max_batch=args.sessions)
         await threaded.batch_reset()
         ports: dict[str, EnginePort] = {"mlx-trio in-process": threaded}
         if args.engine_process:
             build = partial(Engine.load, args.model)
-            opened = open_process_engine(build, engine.preparer, max_batch=args.sessions)
+            opened = open_process_engine(CoreRecipe(build, args.sessions), engine.preparer)
             ports["in-process, engine process"] = await stack.enter_async_context(opened)
         questions = prompts(args.sessions)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

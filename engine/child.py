@@ -1,7 +1,7 @@
 """The engine process's side: its main loop, synchronous, on the process's main thread.
 
 The runtime's ``ProcessEngine`` (``mlx_trio.actors.engine_port.process``) starts a child with
-``spawn`` that runs :func:`serve_engine`: build the :class:`Engine`, warm it up, send
+``spawn`` that runs :func:`serve_engine`: boot its core (``options.boot_core``), send
 :class:`EngineStarted`, then answer each call (``engine/calls.py``) with a :class:`Reply`, one
 for each, in order, over a ``multiprocessing.connection.Connection``. Between calls it steps the
 batch ahead, as the engine thread does.
@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 import pickle
 import signal
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .calls import EngineStarted, EngineState, Reply, answer
-from .core import EngineCore, clear_thread_streams
+from .calls import EngineState, Reply, answer
+from .core import clear_thread_streams
 from .errors import MlxTrioError
-from .generate import Engine
+from .options import CoreRecipe, boot_core
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +34,13 @@ class EngineProcessError(MlxTrioError):
 
 def serve_engine(
     connection: Connection,
-    build: Callable[[], Engine],
-    max_batch: int,
-    prefill_chunk: int,
-    warm: bool,
+    recipe: CoreRecipe,
     log_level: int,
     *,
     terminable: bool = False,
 ) -> None:
-    """The engine process's main: build, warm up, then answer calls until ``None`` or EOF.
+    """The engine process's main: boot ``recipe``'s core, then answer calls until ``None`` or
+    EOF.
 
     Signals meant for the server do not end it (the runtime ends it, after draining);
     ``terminable`` keeps SIGTERM's default for rank 0 of a group, which ``mlx.launch`` ends
@@ -55,18 +52,12 @@ def serve_engine(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s"
     )
-    from .warmup import warm_up
-
     try:
-        engine = build()
-        core = EngineCore(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
-        core.batch_reset()
-        report = warm_up(engine, max_batch=max_batch, prefill_chunk=prefill_chunk) if warm else None
+        core, started = boot_core(recipe)
     except Exception as exc:
         logger.exception("the engine process could not start")
         _send(connection, Reply(None, exc, EngineState()))
         return
-    started = EngineStarted.of(core, report)
     _send(connection, Reply(started, None, EngineState.of(core)))
     try:
         while True:

@@ -35,9 +35,12 @@ def default_model_server(request: pytest.FixtureRequest):
     the engine process in turn (one of each a module)."""
     from mlx_trio.actors.config import RuntimeConfig
     from mlx_trio.api.server import ServeOptions
+    from mlx_trio.engine.options import EngineOptions
     from tests.server_thread import ServerThread
 
-    options = ServeOptions(engine_process=request.param, runtime=RuntimeConfig(max_batch=8))
+    options = ServeOptions(
+        engine=EngineOptions(engine_process=request.param), runtime=RuntimeConfig(max_batch=8)
+    )
     with ServerThread(options) as running:
         running.wait_healthy()
         yield running

@@ -14,6 +14,7 @@ import pytest
 from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions
+from mlx_trio.engine.options import EngineOptions
 from tests.families import save
 from tests.server_thread import ServerThread
 
@@ -24,10 +25,9 @@ PROMPT = "You are a helpful assistant who answers briefly. What is the tallest m
 def server(tmp_path_factory: pytest.TempPathFactory):
     model = save("llama", tmp_path_factory.mktemp("models") / "tiny-llama")
     options = ServeOptions(
-        model=str(model),
-        device="cpu",
-        engine_process=False,
-        prompt_cache_bytes=64 << 20,
+        engine=EngineOptions(
+            model=str(model), device="cpu", engine_process=False, prompt_cache_bytes=64 << 20
+        ),
         runtime=RuntimeConfig(max_batch=4),
         http=HttpSettings(api_keys=("alice-key", "bob-key")),
     )

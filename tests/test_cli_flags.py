@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from mlx_trio.api.cli import build_parser, main
+from mlx_trio.actors.config import RuntimeConfig
+from mlx_trio.api.cli import build_parser, main, serve_options
+from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.options import EngineOptions
 
 BIG = "99999999999999999999"
 
@@ -322,3 +325,22 @@ def test_defaults_of_zero_are_shown():
 def test_json_flags_round_trip():
     args = build_parser().parse_args(["generate", "hi", "--logit-bias", json.dumps({"7": -100})])
     assert args.logit_bias == {7: -100.0}
+
+
+def test_serve_without_flags_takes_every_default_from_the_options_dataclasses(monkeypatch):
+    """One set of defaults: ``serve`` with no flags runs what ``open_runtime()`` runs."""
+    monkeypatch.delenv("MLX_TRIO_API_KEY", raising=False)
+    options = serve_options(build_parser().parse_args(["serve"]))
+    assert options == ServeOptions()
+    assert (options.engine, options.runtime) == (EngineOptions(), RuntimeConfig())
+    assert (options.runtime.max_batch, options.runtime.max_queued) == (32, 256)
+
+
+def test_serve_flags_land_in_the_engine_and_runtime_options():
+    argv = "serve --max-batch 4 --engine thread --device cpu --max-iteration-tokens 64 --port 0"
+    options = serve_options(build_parser().parse_args(argv.split()))
+    assert options.engine == EngineOptions(
+        device="cpu", engine_process=False, max_iteration_tokens=64
+    )
+    assert options.runtime == RuntimeConfig(max_batch=4)
+    assert options.port == 0

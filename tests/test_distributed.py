@@ -27,6 +27,7 @@ from mlx_trio.api import (
     open_runtime,
 )
 from mlx_trio.api.server import ServeOptions
+from mlx_trio.engine.options import EngineOptions
 from mlx_trio.engine.rank_group import RankGroup
 from tests.server_thread import ServerThread, ask, health, wait_for
 
@@ -151,7 +152,7 @@ def rank_pids(rank: int) -> list[int]:
 
 def test_a_rank_killed_mid_request_fails_it_and_the_group_restarts():
     runtime = RuntimeConfig(max_batch=4, **SLOW_STEPS)
-    options = ServeOptions(ranks=RankGroup(2, "pipeline"), runtime=runtime)
+    options = ServeOptions(engine=EngineOptions(ranks=RankGroup(2, "pipeline")), runtime=runtime)
     with ServerThread(options) as server:
         wait_for(lambda: health(server.url) == 200, 180, "the ranks came up")
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
@@ -181,7 +182,9 @@ def test_a_rank_killed_mid_request_fails_it_and_the_group_restarts():
 def test_a_rank_killed_while_idle_restarts_the_group():
     """No step in flight, so rank 0 learns nothing from the collectives: ``mlx.launch`` ends it
     (SIGTERM), and the runtime sees the group die at once rather than at the next request."""
-    options = ServeOptions(ranks=RankGroup(2, "pipeline"), runtime=RuntimeConfig(**SLOW_STEPS))
+    options = ServeOptions(
+        engine=EngineOptions(ranks=RankGroup(2, "pipeline")), runtime=RuntimeConfig(**SLOW_STEPS)
+    )
     with ServerThread(options) as server:
         wait_for(lambda: health(server.url) == 200, 180, "the ranks came up")
         (pid,) = rank_pids(1)

@@ -30,6 +30,7 @@ from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.batch import BatchEngine
 from mlx_trio.engine.caches import CacheAbilities
 from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.options import EngineOptions
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.random_model import in_memory
@@ -165,7 +166,7 @@ async def test_a_model_whose_caches_cannot_batch_serves_every_request_on_the_ser
     )
     engine = Engine(loaded, prefill_step_size=16)
     with EngineThread() as thread:
-        port = ThreadedEngine(engine, thread, max_batch=4)
+        port = ThreadedEngine.over(engine, thread, max_batch=4)
         async with open_runtime(engine=port, max_batch=4) as rt:
             assert rt.statistics().batch_mode == "serial"
             results = await collect_together(rt, PROMPTS[:3])
@@ -219,9 +220,7 @@ def test_the_server_serves_a_hybrid_checkpoint_streamed_or_not(hybrid_dir):
     chat = [engine.prepare([{"role": "user", "content": p}], GREEDY).prompt_tokens for p in PROMPTS]
     want = [detokenize(mlx_lm_greedy(engine.model, list(c), 24)) for c in chat]
     options = ServeOptions(
-        model=str(hybrid_dir),
-        device="cpu",
-        engine_process=False,
+        engine=EngineOptions(model=str(hybrid_dir), device="cpu", engine_process=False),
         runtime=RuntimeConfig(max_batch=4),
     )
     with ServerThread(options) as server:

@@ -18,6 +18,7 @@ from mlx_trio.api.bench.load import run_load
 from mlx_trio.api.bench.server_process import free_loopback_port, open_server
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.budget import MemoryLimit
+from mlx_trio.engine.options import EngineOptions
 from tests.server_thread import ServerThread
 
 pytestmark = pytest.mark.e2e
@@ -32,8 +33,7 @@ RSS_LIMIT = "850MiB"
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     options = ServeOptions(
-        device="cpu",
-        memory_limit=MemoryLimit.parse(SMALL_LIMIT),
+        engine=EngineOptions(device="cpu", memory_limit=MemoryLimit.parse(SMALL_LIMIT)),
         runtime=RuntimeConfig(max_batch=8, max_live=32, max_queued=64),
     )
     with ServerThread(options) as running:

@@ -38,6 +38,7 @@ from mlx_trio.actors.scripted import Script, ScriptedEngine
 from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle, open_runtime
 from mlx_trio.engine.calls import EngineStarted
 from mlx_trio.engine.core import EngineCore
+from mlx_trio.engine.options import CoreRecipe
 from mlx_trio.engine.params import SamplingParams
 from tests.tiny import build_engine, make_preparer
 
@@ -227,7 +228,7 @@ ENDLESS = SamplingParams(max_tokens=480, temperature=0, logit_bias=NEVER_END)
 @pytest.mark.parametrize("run", range(5))
 async def test_an_outer_cancel_on_the_real_engine_thread(tiny_engine, run):
     with EngineThread() as thread:
-        engine = ThreadedEngine(tiny_engine, thread, max_batch=4)
+        engine = ThreadedEngine.over(tiny_engine, thread, max_batch=4)
 
         def open_rt() -> AbstractAsyncContextManager[RuntimeHandle]:
             return open_runtime(
@@ -241,7 +242,7 @@ async def test_an_outer_cancel_on_the_real_engine_thread(tiny_engine, run):
 
 
 def make_port(transport: Transport, started: EngineStarted) -> CorePort:
-    return CorePort(transport, started, make_preparer(), max_batch=4, prefill_chunk=16)
+    return CorePort(transport, started, make_preparer())
 
 
 def supervised_runtime(
@@ -291,7 +292,7 @@ async def test_an_outer_cancel_on_a_supervised_engine_thread(tiny_engine, run):
 async def test_an_outer_cancel_on_a_supervised_engine_process():
     @asynccontextmanager
     async def start() -> AsyncIterator[tuple[Transport, EngineStarted]]:
-        async with open_process_transport(build_engine, max_batch=4, prefill_chunk=16) as (
+        async with open_process_transport(CoreRecipe(build_engine, max_batch=4)) as (
             transport,
             reply,
         ):

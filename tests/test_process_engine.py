@@ -18,6 +18,7 @@ from mlx_trio.actors.messages import Cancelled, Completed, Failed, GenerationReq
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.errors import EngineUnavailableError, UnsupportedModelError
+from mlx_trio.engine.options import CoreRecipe
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import ChatMessage
@@ -55,10 +56,10 @@ async def calls_and_their_tokens(port: EnginePort) -> tuple[list[object], dict[i
 
 async def test_the_port_answers_each_batch_call_as_the_engine_thread_does(tiny_engine):
     with EngineThread() as thread:
-        threaded = ThreadedEngine(tiny_engine, thread, max_batch=4)
+        threaded = ThreadedEngine.over(tiny_engine, thread, max_batch=4)
         await threaded.batch_reset()
         answers, tokens = await calls_and_their_tokens(threaded)
-    async with open_process_engine(build_engine, make_preparer(), max_batch=4) as port:
+    async with open_process_engine(CoreRecipe(build_engine, max_batch=4), make_preparer()) as port:
         assert port.pid != os.getpid() and port.model_id == "tiny-llama"
         answers_there, tokens_there = await calls_and_their_tokens(port)
     assert answers_there == answers
@@ -71,7 +72,7 @@ async def test_the_port_answers_each_batch_call_as_the_engine_thread_does(tiny_e
 
 
 async def test_sessions_through_an_engine_process_complete_and_it_ends_with_the_runtime():
-    async with open_process_engine(build_engine, make_preparer(), max_batch=4) as port:
+    async with open_process_engine(CoreRecipe(build_engine, max_batch=4), make_preparer()) as port:
         async with open_runtime(engine=port, max_batch=4) as rt:
             # Ctrl+C reaches the whole process group; the server drains, the child must not die.
             os.kill(port.pid, signal.SIGINT)  # type: ignore[arg-type]
@@ -92,7 +93,7 @@ async def test_sessions_through_an_engine_process_complete_and_it_ends_with_the_
 
 async def test_a_killed_engine_process_fails_each_request_once_and_the_runtime_still_closes():
     async with (
-        open_process_engine(build_engine, make_preparer(), max_batch=4) as port,
+        open_process_engine(CoreRecipe(build_engine, max_batch=4), make_preparer()) as port,
         open_runtime(engine=port, max_batch=4) as rt,
     ):
         outcomes: list[object] = []
@@ -132,7 +133,7 @@ async def test_a_killed_engine_process_fails_each_request_once_and_the_runtime_s
 
 async def test_an_engine_that_cannot_be_built_raises_its_own_error_and_leaves_no_process():
     with pytest.raises(UnsupportedModelError, match="'nothing' is not supported"):
-        async with open_process_engine(build_nothing, None, max_batch=2):
+        async with open_process_engine(CoreRecipe(build_nothing, max_batch=2), None):
             pytest.fail("the engine process started")
     assert multiprocessing.active_children() == []
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 import mlx_trio.api
 
 README = Path(__file__).parent.parent / "README.md"
@@ -13,7 +15,7 @@ README = Path(__file__).parent.parent / "README.md"
 # What users import. Taking a name away (or moving it without keeping it here) breaks them:
 # this list changes only on purpose.
 PUBLIC = {
-    "open_runtime", "RuntimeHandle", "SessionHandle", "Collected", "RuntimeConfig",
+    "open_runtime", "RuntimeHandle", "SessionHandle", "Collected", "RuntimeConfig", "EngineOptions",
     "RuntimeStatistics", "freeze_startup_heap",
     "GenerationRequest", "SamplingParams", "SamplingDefaults", "ChatMessage",
     "Grammar", "Chat", "Tool", "ToolCall", "ToolChoice", "call_grammar",
@@ -36,3 +38,15 @@ def test_every_public_name_is_exported_and_importable():
 def test_the_readme_imports_only_from_the_public_surface():
     imports = re.findall(r"^from (mlx_trio[\w.]*) import", README.read_text(), flags=re.M)
     assert imports and set(imports) == {"mlx_trio.api"}
+
+
+async def test_open_runtime_sorts_its_keywords_into_the_engines_options_and_the_runtimes():
+    """``open_runtime``'s keywords are ``EngineOptions`` and ``RuntimeConfig`` fields; any
+    other is a TypeError naming it, raised before a model loads."""
+    from mlx_trio.actors.scripted import ScriptedEngine
+
+    with pytest.raises(TypeError, match=r"^open_runtime\(\) got unknown keyword arguments: bogus$"):
+        async with mlx_trio.api.open_runtime(bogus=1):
+            pass
+    async with mlx_trio.api.open_runtime(engine=ScriptedEngine(), max_batch=3) as rt:
+        assert rt.config == mlx_trio.api.RuntimeConfig(max_batch=3)

@@ -35,6 +35,7 @@ from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.calls import Call, EngineStarted, EngineState, Reply
 from mlx_trio.engine.errors import EngineUnavailableError
+from mlx_trio.engine.options import EngineOptions
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.sampling_defaults import NO_DEFAULTS
 from tests.server_thread import ServerThread, ask, health, wait_for
@@ -90,7 +91,7 @@ class FakeEngines:
 
 
 def make_port(transport: Transport, started: EngineStarted) -> CorePort:
-    return CorePort(transport, started, None, max_batch=4, prefill_chunk=16)
+    return CorePort(transport, started, None)
 
 
 def supervised(engines: FakeEngines, policy: RestartPolicy) -> AsyncContextManager[CorePort]:
@@ -249,7 +250,7 @@ PROMPT = "Count from 1 to 300, one number a line."
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_killing_the_engine_process_mid_stream_fails_its_rows_and_the_server_recovers():
-    options = ServeOptions(engine_process=True)
+    options = ServeOptions(engine=EngineOptions(engine_process=True))
     with ServerThread(options) as server:
         wait_for(lambda: health(server.url) == 200, 120, "the server came up")
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)

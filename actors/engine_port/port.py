@@ -48,6 +48,7 @@ from ...engine.prompt import Prompt
 from ...engine.reply import ReplySyntax
 from ...engine.sampling_defaults import SamplingDefaults
 from ...engine.warmup import WarmupReport
+from ..config import DEFAULT_RETRY_AFTER_S
 from ..port import ALWAYS_UP, EngineLiveness
 
 R = TypeVar("R")
@@ -152,19 +153,18 @@ class CorePort:
         started: EngineStarted,
         preparer: RequestPreparer | None,
         *,
-        max_batch: int,
-        prefill_chunk: int,
+        retry_after_s: float = DEFAULT_RETRY_AFTER_S,
     ) -> None:
         """``started``: what is known of the engine from the start; ``preparer``: the
         tokenizer side of ``prepare`` (None: ``prepare`` raises, for a caller that tokenizes
-        itself)."""
+        itself). ``retry_after_s``: what a call refused while the engine restarts says to
+        wait."""
         self._transport: Transport | None = transport
         self._liveness = ALWAYS_UP
         self.is_supervised = False  # set by a supervisor: a dead core is then replaced
         self._started = started
         self._preparer = preparer
-        self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
+        self._retry_after_s = retry_after_s
 
     # -- supervision ----------------------------------------------------------------------
 
@@ -293,7 +293,7 @@ class CorePort:
             live = self._liveness
             raise EngineUnavailableError(
                 f"the engine is {live.condition} ({live.last_cause})",
-                retry_after_s=RETRY_AFTER_S if live.condition == "restarting" else None,
+                retry_after_s=self._retry_after_s if live.condition == "restarting" else None,
             )
         try:
             reply = await transport.call(call)
@@ -309,4 +309,3 @@ class CorePort:
 
 
 _NO_ENGINE = EngineState()
-RETRY_AFTER_S = 5.0  # what a client is told to wait while the engine restarts

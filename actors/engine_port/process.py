@@ -22,18 +22,16 @@ import pickle
 import socket
 import struct
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
-from functools import partial
 from typing import Any, Protocol, TypeVar, cast
 
 import trio
 
-from ...engine.batch import DEFAULT_PREFILL_CHUNK
-from ...engine.budget import MemoryLimit
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
 from ...engine.child import EngineProcessError, serve_engine
-from ...engine.generate import Engine, RequestPreparer
+from ...engine.generate import RequestPreparer
+from ...engine.options import CoreRecipe
 from ...engine.rank_group import RankGroup
 from .port import CallClock, CorePort
 from .ranks import open_rank_group
@@ -223,51 +221,18 @@ class ProcessTransport:
 
 class ProcessEngine(CorePort):
     """The ``EnginePort`` over an :class:`EngineCore` in a child process; use
-    :func:`open_process_engine` or :meth:`load`."""
+    :func:`open_process_engine`."""
 
     def __init__(
         self,
         transport: ProcessTransport,
         started: Reply[EngineStarted],
         preparer: RequestPreparer | None,
-        *,
-        max_batch: int,
-        prefill_chunk: int,
     ) -> None:
         """``started``: the child's first reply."""
         assert started.value is not None
-        super().__init__(
-            transport, started.value, preparer, max_batch=max_batch, prefill_chunk=prefill_chunk
-        )
+        super().__init__(transport, started.value, preparer)
         self._process = transport.process
-
-    @classmethod
-    @asynccontextmanager
-    async def load(
-        cls,
-        spec: str | None,
-        *,
-        device: str,
-        max_batch: int,
-        prompt_cache_bytes: int | None = None,
-        memory_limit: MemoryLimit | None = None,
-    ) -> AsyncIterator[ProcessEngine]:
-        """Like ``ThreadedEngine.load``: the tokenizer here (resolving, and importing if need
-        be, ``spec`` first), the model in the child, warmed up before this yields. On exit
-        (cancelled or not) the child is ended."""
-        from ...engine.loader import load_tokenizer_only
-
-        loaded = await trio.to_thread.run_sync(load_tokenizer_only, spec)
-        preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
-        build = partial(
-            Engine.load,
-            spec,
-            device=device,
-            prompt_cache_bytes=prompt_cache_bytes,
-            memory_limit=memory_limit,
-        )
-        async with open_process_engine(build, preparer, max_batch=max_batch) as engine:
-            yield engine
 
     @property
     def pid(self) -> int | None:
@@ -281,44 +246,27 @@ class ProcessEngine(CorePort):
 
 @asynccontextmanager
 async def open_process_engine(
-    build: Callable[[], Engine],
-    preparer: RequestPreparer | None,
-    *,
-    max_batch: int,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-    warm_up: bool = True,
+    recipe: CoreRecipe, preparer: RequestPreparer | None
 ) -> AsyncIterator[ProcessEngine]:
-    """Start a child that calls ``build`` (picklable: it runs there) for its :class:`Engine`,
-    warms it up (``warm_up``, as ``ThreadedEngine.load`` does) and serves an :class:`EngineCore`
-    on it; yield its port once it is ready. ``preparer``: the tokenizer side of ``prepare``
-    (None: ``prepare`` raises; a caller that tokenizes itself). Raises the child's own error if
-    ``build`` fails, :class:`EngineProcessError` if the child dies. On exit, cancelled or not,
-    the child is asked to end, and killed if it does not."""
-    async with open_process_transport(
-        build, max_batch=max_batch, prefill_chunk=prefill_chunk, warm_up=warm_up
-    ) as (transport, started):
-        yield ProcessEngine(
-            transport, started, preparer, max_batch=max_batch, prefill_chunk=prefill_chunk
-        )
+    """Start a child that boots ``recipe``'s core (``boot_core``; its ``build`` must pickle:
+    it runs there) and serves it; yield its port once it is ready. ``preparer``: the tokenizer
+    side of ``prepare`` (None: ``prepare`` raises; a caller that tokenizes itself). Raises the
+    child's own error if booting fails, :class:`EngineProcessError` if the child dies. On exit,
+    cancelled or not, the child is asked to end, and killed if it does not."""
+    async with open_process_transport(recipe) as (transport, started):
+        yield ProcessEngine(transport, started, preparer)
 
 
 @asynccontextmanager
 async def open_process_transport(
-    build: Callable[[], Engine],
-    *,
-    max_batch: int,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-    warm_up: bool = True,
-    ranks: RankGroup | None = None,
+    recipe: CoreRecipe, *, ranks: RankGroup | None = None
 ) -> AsyncIterator[tuple[ProcessTransport, Reply[EngineStarted]]]:
     """The child of :func:`open_process_engine` and the transport to it, with its first reply;
     a supervisor starts one of these for each engine it runs. ``ranks``: the engine runs over
     a group of ranks that ``mlx.launch`` starts instead (``actors/engine_port/ranks.py``)."""
     if ranks is not None:
         async with (
-            open_rank_group(
-                build, ranks, max_batch=max_batch, prefill_chunk=prefill_chunk, warm_up=warm_up
-            ) as (stream, group),
+            open_rank_group(recipe, ranks) as (stream, group),
             _serving(ProcessTransport(stream, group), group) as served,
         ):
             yield served
@@ -327,7 +275,7 @@ async def open_process_transport(
     ours, theirs = context.Pipe(duplex=True)  # a socket pair on POSIX
     process = context.Process(
         target=serve_engine,
-        args=(theirs, build, max_batch, prefill_chunk, warm_up, logging.getLogger().level),
+        args=(theirs, recipe, logging.getLogger().level),
         name="mlx-trio-engine",
         daemon=True,
     )

@@ -19,14 +19,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from ...engine.child import EngineProcessError
+from ...engine.options import CoreRecipe
 from ...engine.rank import RankArgs
 from ...engine.rank_group import RankGroup
 
@@ -64,12 +64,7 @@ class LaunchedGroup:
 
 @asynccontextmanager
 async def open_rank_group(
-    build: Callable[[], Any],
-    group: RankGroup,
-    *,
-    max_batch: int,
-    prefill_chunk: int,
-    warm_up: bool,
+    recipe: CoreRecipe, group: RankGroup
 ) -> AsyncIterator[tuple[trio.SocketStream, LaunchedGroup]]:
     """Launch the group and yield rank 0's connection and the group once rank 0 connected;
     raises ``EngineProcessError`` if the group ends first. On exit the group is killed if it
@@ -80,9 +75,7 @@ async def open_rank_group(
         await listener.bind(path)
         listener.listen(1)
         args_file = Path(folder) / "rank-args.pickle"
-        args = RankArgs(
-            build, group, path, max_batch, prefill_chunk, warm_up, logging.getLogger().level
-        )
+        args = RankArgs(recipe, group, path, logging.getLogger().level)
         args_file.write_bytes(pickle.dumps(args))
         command = group.launch_command(sys.executable, str(args_file))
         logger.info("launching the engine's ranks: %s", " ".join(command))

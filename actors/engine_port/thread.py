@@ -27,18 +27,16 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import outcome
 import trio
 
-from ...engine.batch import DEFAULT_PREFILL_CHUNK
-from ...engine.budget import MemoryLimit
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply, answer
 from ...engine.core import EngineCore, clear_thread_streams
 from ...engine.generate import Engine
-from ...engine.warmup import warm_up
+from ...engine.options import CoreRecipe, boot_core
 from .port import CallClock, CorePort
 
 logger = logging.getLogger(__name__)
@@ -230,83 +228,43 @@ class ThreadTransport:
 
 
 class ThreadedEngine(CorePort):
-    """The ``EnginePort`` over an :class:`Engine` owned by an :class:`EngineThread`: each call
-    runs on the thread, on this port's own :class:`EngineCore`."""
+    """The ``EnginePort`` over an :class:`EngineCore` on an :class:`EngineThread`: each call
+    runs on the thread. :meth:`load` boots one there; :meth:`over` puts a port over an engine
+    already loaded (benchmarks and tests share one engine between several ports)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        thread: EngineThread,
-        *,
-        max_batch: int,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-    ) -> None:
-        self.engine = engine
+    def __init__(self, thread: EngineThread, core: EngineCore, started: EngineStarted) -> None:
+        self.engine = core.engine
         self.thread = thread
-        core = EngineCore(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
-        super().__init__(
-            ThreadTransport(thread, core),
-            EngineStarted.of(core),
-            engine.preparer,
-            max_batch=max_batch,
-            prefill_chunk=prefill_chunk,
-        )
+        super().__init__(ThreadTransport(thread, core), started, core.engine.preparer)
 
     @classmethod
-    async def load(
-        cls,
-        thread: EngineThread,
-        spec: str | None,
-        *,
-        device: str,
-        max_batch: int,
-        prompt_cache_bytes: int | None = None,
-        memory_limit: MemoryLimit | None = None,
-    ) -> ThreadedEngine:
-        """Load on the engine thread and warm up; ``prompt_cache_bytes`` None picks a default,
-        0 is off; ``memory_limit`` None: no memory budget. If cancelled, the load or warm-up
-        still completes on the thread, unused."""
-        engine = await thread.run(
-            lambda: Engine.load(
-                spec,
-                device=device,
-                prompt_cache_bytes=prompt_cache_bytes,
-                memory_limit=memory_limit,
-            )
-        )
-        port = cls(engine, thread, max_batch=max_batch)
-        await port.batch_reset()
-        # Compile the kernels of every shape the runtime will use before anyone calls it
-        # healthy (GPU; returns at once on CPU).
-        chunk = port.prefill_chunk
-        report = await thread.run(lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=chunk))
-        port._started = replace(port._started, warmup=report)
-        return port
+    def over(cls, engine: Engine, thread: EngineThread, *, max_batch: int) -> ThreadedEngine:
+        """A port with a core of its own over ``engine``, which ``thread`` loaded; not warmed
+        up."""
+        core = EngineCore(engine, max_batch=max_batch)
+        return cls(thread, core, EngineStarted.of(core))
+
+    @classmethod
+    async def load(cls, thread: EngineThread, recipe: CoreRecipe) -> ThreadedEngine:
+        """Boot ``recipe``'s core on ``thread`` (``boot_core``: load, plan the memory budget,
+        warm up). If cancelled, the boot still completes on the thread, unused."""
+        core, started = await thread.run(boot_core, recipe)
+        return cls(thread, core, started)
 
 
 @asynccontextmanager
 async def open_thread_transport(
-    spec: str | None,
-    *,
-    max_batch: int,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-    **load_options: Any,
+    recipe: CoreRecipe,
 ) -> AsyncIterator[tuple[ThreadTransport, EngineStarted]]:
-    """An engine thread of its own with a model loaded on it (``Engine.load(spec,
-    **load_options)``) and warmed up, as ``ThreadedEngine.load`` does, and the transport to its
-    core; a supervisor starts one of these for each engine it runs. On exit the thread is
+    """An engine thread of its own with ``recipe``'s core booted on it, and the transport to
+    that core; a supervisor starts one of these for each engine it runs. On exit the thread is
     stopped, or left behind if its transport was killed (wedged)."""
-    thread = EngineThread()
-    thread.__enter__()
-    try:
-        engine = await thread.run(lambda: Engine.load(spec, **load_options))
-        core = EngineCore(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
-        transport = ThreadTransport(thread, core)
-        report = await thread.run(
-            lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
-        )
-        yield transport, EngineStarted.of(core, report)
-    finally:
-        # A killed transport abandoned its thread already; closing it then does nothing.
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(thread.close)
+    with EngineThread() as thread:
+        try:
+            core, started = await thread.run(boot_core, recipe)
+            yield ThreadTransport(thread, core), started
+        finally:
+            # Closed off the event loop (it waits for the thread's last job); a killed
+            # transport abandoned its thread already, and closing it then does nothing.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.close)

@@ -32,6 +32,7 @@ from ...actors.engine_port.process import open_process_engine
 from ...actors.engine_port.thread import EngineThread, ThreadedEngine
 from ...engine.batch import DEFAULT_PREFILL_CHUNK
 from ...engine.generate import Engine
+from ...engine.options import CoreRecipe
 from ...engine.warmup import warm_up
 from ..inprocess import open_runtime
 from ..server import ServeOptions, serve
@@ -132,12 +133,14 @@ async def bench_model(
         entry["bandwidth_limit_steps_s"] = HBM_BYTES_PER_S / entry["weight_bytes"]
         # One port per runtime (in-process, HTTP): each owns its BatchEngine.
         ports = [
-            TokenIdPort(ThreadedEngine(engine, thread, max_batch=max_batch), plan.prompt_tokens)
+            TokenIdPort(
+                ThreadedEngine.over(engine, thread, max_batch=max_batch), plan.prompt_tokens
+            )
             for _ in range(2)
         ]
         for port in ports:
             await port.batch_reset()
-        chunk = ports[0].prefill_chunk
+        chunk = DEFAULT_PREFILL_CHUNK  # the ports' cores'
         report = await thread.run(lambda: warm_up(engine, max_batch=max_batch, prefill_chunk=chunk))
         logger.info("%s: %s", name, report.describe())
         entry["warmup"] = warmup_record(report)
@@ -180,7 +183,7 @@ async def open_waves(
             for _ in range(2):
                 # The tokenizer stays here: TokenIdPort makes the prompts' ids, but the HTTP
                 # side asks the port for its reply syntax and token texts.
-                opened = open_process_engine(build, engine.preparer, max_batch=max_batch)
+                opened = open_process_engine(CoreRecipe(build, max_batch), engine.preparer)
                 inner = await stack.enter_async_context(opened)
                 procs.append(TokenIdPort(inner, plan.prompt_tokens))  # type: ignore[arg-type]
             logger.info("%s: engine processes %s started", name, [p.pid for p in procs])

@@ -49,6 +49,7 @@ from ...actors.messages import (
 from ...engine import _blas
 from ...engine.errors import MlxTrioError
 from ...engine.generate import Engine
+from ...engine.options import CoreRecipe, EngineOptions
 from ...engine.prompt import ChatMessage
 from ..inprocess import RuntimeHandle, SessionHandle, open_runtime
 from .load import FirstTokens
@@ -256,9 +257,8 @@ async def main_async(system: str, answers: TextIO, model: str | None = None) -> 
         await serve_commands(handle, answers)
         return
     with EngineThread() as thread:
-        port = await WatchedEngine.load(
-            thread, model, device="auto", max_batch=MAX_BATCH, prompt_cache_bytes=0
-        )
+        options = EngineOptions(model=model, prompt_cache_bytes=0)
+        port = await WatchedEngine.load(thread, CoreRecipe(options.loader(), MAX_BATCH))
         config = RuntimeConfig(max_batch=MAX_BATCH, max_live=2 * MAX_BATCH)
         async with open_runtime(engine=port, config=config) as rt:
             handle = runtime_handler(rt, port)

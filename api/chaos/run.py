@@ -21,6 +21,7 @@ from ...actors.batch_policy import MAX_STEPS_PER_CALL
 from ...actors.config import RuntimeConfig
 from ...actors.faulty import FaultyEngine, RowFault, StepFault
 from ...actors.port import EnginePort
+from ...engine.options import Device, EngineOptions
 from .client import Client, open_in_process
 from .http_client import open_over_http
 from .invariants import Expected, check
@@ -211,19 +212,20 @@ async def _come_back(engine: ScriptedEngine, after_s: float) -> None:
 
 
 async def run_on_model(
-    plan: FaultPlan, model: str | None, *, device: str = "auto", http: bool = False
+    plan: FaultPlan, model: str | None, *, device: Device = "auto", http: bool = False
 ) -> ChaosReport:
     """Run a plan on a real model: a fault-free pass (in-process) first gives the reference
     tokens and text; then the plan runs on the same engine, in-process or over HTTP. The step
     watchdog is at least ``MODEL_STEP_TIMEOUT_S``: a plan's 1 s suits the scripted engine's
     steps, while a real model's prefill on a busy 2-core machine can take longer."""
-    from ..inprocess import open_supervised_port
+    from ...actors.engine_port.open import open_engine
 
     watchdog = max(plan.config.step_timeout_s, MODEL_STEP_TIMEOUT_S)
     plan = replace(plan, config=replace(plan.config, step_timeout_s=watchdog))
     # A crash kills the engine's process: the one engine that can die alone (a thread cannot).
     process = True if plan.planned["engine_crash"] else None
-    async with open_supervised_port(model, device, None, process, plan.config) as engine:
+    options = EngineOptions(model=model, device=device, engine_process=process)
+    async with open_engine(options, plan.config) as engine:
 
         def crash() -> None:
             pid = engine.liveness().pid

@@ -1,0 +1,102 @@
+"""What an engine is built from, each default defined here once (:class:`EngineOptions`), and
+the one function that boots an engine core (:func:`boot_core`): the engine thread, the engine
+process and every rank of a group call it, so each path builds the same engine.
+
+Adding an engine option is one field here, read in :meth:`EngineOptions.loader` (or by
+whatever uses it), plus its flag in ``api/cli.py``, which takes its default from here. The
+runtime's own limits (batch size, queues, timeouts) are ``actors/config.py``'s
+``RuntimeConfig``; ``open_engine`` (``actors/engine_port/open.py``) takes both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Literal
+
+from .budget import MemoryLimit
+from .rank_group import RankGroup
+
+if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here without it
+    from .calls import EngineStarted
+    from .core import EngineCore
+    from .generate import Engine
+
+Device = Literal["auto", "cpu", "gpu"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """How to build and place an engine.
+
+    ``model``: a model directory, GGUF file or Hugging Face id (None: the embedded default).
+    ``device``: ``auto`` takes a GPU if there is one. ``prompt_cache_bytes``: the prompt
+    cache's budget (None: an eighth of memory, at most 8 GiB; 0: off). ``memory_limit``: the
+    memory budget (None: 0.9 of a GPU's memory, 0.5 of the CPU's; design/015).
+    ``max_preparation_tokens`` and ``max_iteration_tokens``: the batch's token budget
+    (``engine/schedule.py``; None: the device's). ``fuse``: one matmul for the projections
+    that read the same input (``engine/fused.py``; None: on a GPU). ``engine_process``: run the
+    model in a child process instead of on a thread beside the event loop (None: a process on
+    a GPU, design/009). ``ranks``: run it over a group of ranks that ``mlx.launch`` starts, the
+    model split over them (design/020; the prompt cache is off there). ``warm_up``: compile the
+    kernels of every shape the runtime uses before the engine reports started (GPU only).
+    """
+
+    model: str | None = None
+    device: Device = "auto"
+    prompt_cache_bytes: int | None = None
+    memory_limit: MemoryLimit | None = None
+    max_preparation_tokens: int | None = None
+    max_iteration_tokens: int | None = None
+    fuse: bool | None = None
+    engine_process: bool | None = None
+    ranks: RankGroup | None = None
+    warm_up: bool = True
+
+    def loader(self) -> Callable[[], Engine]:
+        """``Engine.load`` with these options, picklable: a child process or a rank calls it.
+        The memory limit is the device's default where none was given."""
+        from .budget import default_limit
+        from .generate import Engine
+        from .loader import runs_on_gpu
+
+        limit = self.memory_limit or default_limit(runs_on_gpu(self.device))
+        return partial(
+            Engine.load,
+            self.model,
+            device=self.device,
+            prompt_cache_bytes=self.prompt_cache_bytes,
+            max_preparation_tokens=self.max_preparation_tokens,
+            max_iteration_tokens=self.max_iteration_tokens,
+            memory_limit=limit,
+            fuse=self.fuse,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CoreRecipe:
+    """What :func:`boot_core` builds, as a thread, a child process or a rank receives it:
+    ``build`` makes the engine (``EngineOptions.loader()``, or a test's tiny one; picklable for
+    a process), its core batches up to ``max_batch`` rows, and ``warm_up`` runs its shapes."""
+
+    build: Callable[[], Engine]
+    max_batch: int
+    warm_up: bool = True
+
+
+def boot_core(recipe: CoreRecipe) -> tuple[EngineCore, EngineStarted]:
+    """Build the engine, make its core (planning and setting the memory budget), and warm it up,
+    on the calling thread, which then owns MLX for the core; returns the core and what the
+    engine port learns from it first. Raises what loading the model raises."""
+    from .calls import EngineStarted
+    from .core import EngineCore
+    from .warmup import warm_up
+
+    engine = recipe.build()
+    core = EngineCore(engine, max_batch=recipe.max_batch)
+    core.batch_reset()
+    report = None
+    if recipe.warm_up:
+        report = warm_up(engine, max_batch=recipe.max_batch, prefill_chunk=core.prefill_chunk)
+    return core, EngineStarted.of(core, report)
