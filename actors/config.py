@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..engine.budget import MemoryBudget, MemoryUsage
+from ..engine.errors import check_at_least
 from ..engine.outputs import PromptCacheStatistics
 from .messages import CancelReason, FailureCode
 from .port import ALWAYS_UP, EngineLiveness
@@ -48,6 +49,13 @@ class RuntimeConfig:
     admission_window_s: float = 0.005
     steps_per_call: int | None = None
     max_engine_restarts: int = 5
+
+    def __post_init__(self) -> None:
+        check_at_least(self, 1, "max_batch", "max_live", "event_buffer", "steps_per_call")
+        check_at_least(self, 0, "max_queued", "shutdown_grace_s", "max_engine_restarts")
+        check_at_least(self, 0, "retry_after_s", "admission_window_s")
+        check_at_least(self, 0, "idle_timeout_s", "step_timeout_s", above=True)
+        check_at_least(self, 1, "unhealthy_after_faults")
 
     @property
     def live_limit(self) -> int:

@@ -129,8 +129,7 @@ class Runtime:
         self._submitting += len(requests)
         try:
             prepared = [await self._prepare(r) for r in requests]
-            pairs = zip(requests, prepared, strict=True)
-            projected = [self._projected_kv_bytes(r, p) for r, p in pairs]
+            projected = [self._projected_kv_bytes(p) for p in prepared]
             admissions = await self._admit_all(projected)
             return [
                 self._start(request, ready, admission)
@@ -149,17 +148,13 @@ class Runtime:
             prepared = replace(prepared, cache_salt=request.cache_salt)
         return prepared
 
-    def _projected_kv_bytes(self, request: GenerationRequest, prepared: PreparedRequest) -> int:
+    def _projected_kv_bytes(self, prepared: PreparedRequest) -> int:
         """The KV bytes the request may come to hold, under the engine's memory budget (0
         without one); raises ``MemoryBudgetExceededError`` if they exceed the whole KV pool."""
         budget = self.engine.memory_budget
         if budget is None:
             return 0
-        return budget.check_fits(
-            len(prepared.prompt_tokens),
-            prepared.params.max_tokens,
-            prompt_param="prompt" if isinstance(request.prompt, str) else "messages",
-        )
+        return budget.check_fits(len(prepared.prompt_tokens), prepared.params.max_tokens)
 
     async def _admit_all(self, projected: list[int]) -> list[trio.MemoryReceiveChannel[gate.Reply]]:
         """An admission from the gate for each of the ``projected`` KV byte counts, each a

@@ -15,9 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..actors.messages import GenerationRequest
 from ..engine.errors import (
-    ContextLengthExceededError,
     InvalidRequestError,
-    MemoryBudgetExceededError,
     RuntimeRefusal,
 )
 from ..engine.prompt import Chat
@@ -141,15 +139,8 @@ class Api:
         except (InvalidRequestError, RuntimeRefusal) as exc:
             if isinstance(exc, RuntimeRefusal):  # labelled by its code: overloaded, ...
                 self.state.metrics.refusals.labels(exc.code).inc()
-            if kind == "text" and isinstance(exc, ContextLengthExceededError):
-                exc.param = "prompt"  # the engine names a chat's field, "messages"
-            if isinstance(exc, InvalidRequestError) and exc.param == "grammar":
-                # what the engine calls a chat's response_format, or its forced tool call
-                forced = isinstance(body, ChatCompletionRequest) and body.choice.forces_call
-                exc.param = "tools" if forced else "response_format"
-            sent_as = getattr(body, "max_completion_tokens", None)
-            if isinstance(exc, MemoryBudgetExceededError) and sent_as is not None:
-                exc.param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
+            if isinstance(exc, InvalidRequestError):
+                exc = exc.renamed(body.field_names())
             raise refusal_error(exc) from None
         exchange = Exchange(
             request_id,

@@ -117,23 +117,22 @@ class _Sampling(Body):
         logprobs: bool,
         top_logprobs: int,
         seed_offset: int = 0,
-        sent_as: Mapping[str, str] | None = None,
         defaults: SamplingDefaults = NO_DEFAULTS,
         grammar: Grammar | None = None,
     ) -> SamplingParams:
         """The request's values; ``defaults`` (then OpenAI's) for the sampling fields omitted.
-        ``sent_as``: the body's name for a ``SamplingParams`` field where it differs, so that
-        an error names what the client sent."""
+        An error names what the client sent (``field_names``)."""
         try:
             return self._sampling_params(
                 max_tokens, logprobs, top_logprobs, seed_offset, defaults, grammar
             )
         except InvalidRequestError as exc:
-            name = (sent_as or {}).get(exc.param or "")
-            if name is None or exc.param is None:
-                raise
-            message = name + exc.message.removeprefix(exc.param)
-            raise InvalidRequestError(message, param=name, code=exc.code) from None
+            raise exc.renamed(self.field_names()) from None
+
+    def field_names(self) -> Mapping[str, str]:
+        """This body's name for each part of the engine's request where it differs (the
+        engine's errors name the engine's fields: ``InvalidRequestError.renamed``)."""
+        return {}
 
     def _sampling_params(
         self,
@@ -276,18 +275,24 @@ class ChatCompletionRequest(_Request):
     ) -> SamplingParams:
         limits = (self.max_completion_tokens, self.max_tokens, defaults.max_tokens)
         max_tokens = next((v for v in limits if v is not None), default_max_tokens)
-        sent_as = {"grammar": "response_format"}
-        if limits[0] is not None:
-            sent_as["max_tokens"] = "max_completion_tokens"
         return self.sampling_params(
             max_tokens=max_tokens,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
             seed_offset=seed_offset,
-            sent_as=sent_as,
             defaults=defaults,
             grammar=self.grammar,
         )
+
+    def field_names(self) -> Mapping[str, str]:
+        names = {
+            "prompt": "messages",
+            # the constraint is the response_format's, or the forced tool call's
+            "grammar": "tools" if self.choice.forces_call else "response_format",
+        }
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
 
 class CompletionRequest(_Request):
@@ -337,9 +342,11 @@ class CompletionRequest(_Request):
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
             seed_offset=seed_offset,
-            sent_as={"top_logprobs": "logprobs"},
             defaults=defaults,
         )
+
+    def field_names(self) -> Mapping[str, str]:
+        return {"top_logprobs": "logprobs"}
 
 
 def _is_token_ids(prompt: list[str] | list[int] | list[list[int]]) -> bool:

@@ -54,7 +54,9 @@ class MemoryLimit:
 
     def __post_init__(self) -> None:
         if (self.bytes is None) == (self.fraction is None):
-            raise ValueError("a memory limit is bytes or a fraction, one of the two")
+            raise InvalidRequestError(
+                "a memory limit is bytes or a fraction, one of the two", param="memory_limit"
+            )
 
     @classmethod
     def parse(cls, value: str | int | float) -> MemoryLimit:
@@ -131,10 +133,10 @@ class MemoryBudget:
         tokens = num_prompt_tokens + max_tokens + self.kv_step - 1
         return self.kv_bytes_per_row + tokens * self.kv_bytes_per_token
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int, *, prompt_param: str) -> int:
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The request's projection; raises :class:`MemoryBudgetExceededError` if it exceeds the
-        whole KV pool, naming ``prompt_param`` (``messages`` or ``prompt``) when the prompt alone
-        does not fit, else ``max_tokens``."""
+        whole KV pool, naming ``prompt`` when the prompt alone does not fit, else
+        ``max_tokens``."""
         projected = self.projected_bytes(num_prompt_tokens, max_tokens)
         if projected <= self.kv_pool:
             return projected
@@ -145,7 +147,7 @@ class MemoryBudget:
                 f"the prompt's {num_prompt_tokens} tokens need "
                 f"{format_bytes(self.projected_bytes(num_prompt_tokens, 1))} of KV cache, more "
                 f"than this server's KV budget of {pool}; shorten the prompt",
-                param=prompt_param,
+                param="prompt",
             )
         tokens = (self.kv_pool - self.kv_bytes_per_row) // max(per_token, 1)
         most = tokens - (self.kv_step - 1) - num_prompt_tokens

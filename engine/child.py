@@ -21,15 +21,10 @@ from typing import Any
 
 from .calls import EngineState, Reply, answer
 from .core import clear_thread_streams
-from .errors import MlxTrioError
+from .errors import EngineProcessError
 from .options import CoreRecipe, boot_core
 
 logger = logging.getLogger(__name__)
-
-
-class EngineProcessError(MlxTrioError):
-    """The engine process ended (it crashed, or was killed) or could not start; or a reply of
-    its would not pickle."""
 
 
 def serve_engine(

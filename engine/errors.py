@@ -8,7 +8,9 @@
     │   ├── ModelNotFoundError           no such file or directory
     │   ├── UnsupportedModelError        a format, architecture or quantization we cannot load
     │   └── ModelImportError             download, checksum or conversion failed
-    ├── EngineError                  a generation step failed inside MLX or mlx-lm
+    ├── EngineError                  the engine failed: a step inside MLX or mlx-lm, its warm-up
+    │   └── EngineProcessError           the engine's process (or group of ranks) ended or
+    │                                    could not start, or a reply of its would not pickle
     └── RuntimeRefusal               the runtime did not admit a request
         ├── OverloadedError              admission is full; carries ``retry_after_s``
         ├── EngineUnavailableError       the engine died and is restarting, or gave up
@@ -16,9 +18,20 @@
 
 Every error carries a message fit to show a user as is: it never echoes a file path that the
 user did not give us.
+
+An ``InvalidRequestError``'s ``param`` names the request's part in the engine's own words: a
+field of ``GenerationRequest`` or ``SamplingParams`` (``prompt``, whether text or chat
+messages; ``max_tokens``; ``grammar``, whatever the API called the constraint; ...), and its
+message starts with that name where it names one. Each API edge says what it calls each part
+in one table and shows the error through :meth:`InvalidRequestError.renamed`: the OpenAI chat
+endpoint's ``prompt`` is ``messages``, its ``grammar`` ``response_format``.
 """
 
 from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
 
 
 class MlxTrioError(Exception):
@@ -32,24 +45,54 @@ class MlxTrioError(Exception):
 
 
 class InvalidRequestError(MlxTrioError, ValueError):
-    """A request parameter is missing, malformed or out of range."""
+    """A request parameter is missing, malformed or out of range; ``param`` names it (see the
+    module docstring)."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.code = code
 
+    def renamed(self, names: Mapping[str, str]) -> InvalidRequestError:
+        """This error as an API shows it: ``param`` through ``names`` (an API's names for the
+        engine's fields; a path into one, ``prompt[0].role``, renamed by its field), and the
+        message's leading field name with it; the same error where ``names`` has no other name
+        for it. The copy is of the same class."""
+        if self.param is None:
+            return self
+        field = re.split(r"[.\[]", self.param, maxsplit=1)[0]
+        name = names.get(field)
+        if name is None or name == field:
+            return self
+        renamed = copy.copy(self)
+        renamed.param = name + self.param.removeprefix(field)
+        if self.message.startswith(field):
+            renamed.message = name + self.message.removeprefix(field)
+            renamed.args = (renamed.message,)
+        return renamed
+
+
+def check_at_least(owner: object, low: float, *names: str, above: bool = False) -> None:
+    """Raise :class:`InvalidRequestError` naming the first of ``owner``'s ``names`` below
+    ``low`` (``above``: not above it; None passes: absent); for the options' dataclasses, at
+    construction."""
+    for name in names:
+        value = getattr(owner, name)
+        if value is not None and not (value > low if above else value >= low):
+            bound = "above" if above else "at least"
+            raise InvalidRequestError(f"{name} must be {bound} {low:g}, got {value}", param=name)
+
 
 class ContextLengthExceededError(InvalidRequestError):
     """The prompt does not fit in the model's context window."""
 
-    def __init__(self, message: str, *, param: str | None = "messages") -> None:
+    def __init__(self, message: str, *, param: str | None = "prompt") -> None:
         super().__init__(message, param=param, code="context_length_exceeded")
 
 
 class MemoryBudgetExceededError(InvalidRequestError):
     """The request's projected KV bytes exceed the server's whole KV pool: it could never be
-    admitted, however long it waited (``param``: ``max_tokens``, or the prompt's field)."""
+    admitted, however long it waited (``param``: ``max_tokens``, or ``prompt``)."""
 
     def __init__(self, message: str, *, param: str | None = "max_tokens") -> None:
         super().__init__(message, param=param, code="memory_budget_exceeded")
@@ -72,9 +115,14 @@ class ModelImportError(ModelError):
 
 
 class EngineError(MlxTrioError):
-    """A generation step raised inside MLX or mlx-lm."""
+    """The engine failed: a generation step raised inside MLX or mlx-lm, or its warm-up."""
 
     code = "engine_fault"
+
+
+class EngineProcessError(EngineError):
+    """The engine process ended (it crashed, or was killed) or could not start; or a reply of
+    its would not pickle."""
 
 
 class RuntimeRefusal(MlxTrioError):

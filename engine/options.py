@@ -16,6 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from .budget import MemoryLimit
+from .errors import InvalidRequestError, check_at_least
 from .rank_group import RankGroup
 
 if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here without it
@@ -53,6 +54,14 @@ class EngineOptions:
     engine_process: bool | None = None
     ranks: RankGroup | None = None
     warm_up: bool = True
+
+    def __post_init__(self) -> None:
+        check_at_least(self, 0, "prompt_cache_bytes")
+        check_at_least(self, 1, "max_preparation_tokens", "max_iteration_tokens")
+        if self.device not in ("auto", "cpu", "gpu"):
+            raise InvalidRequestError(
+                f"device must be auto, cpu or gpu, got {self.device!r}", param="device"
+            )
 
     def loader(self) -> Callable[[], Engine]:
         """``Engine.load`` with these options, picklable: a child process or a rank calls it.

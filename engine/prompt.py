@@ -91,7 +91,7 @@ Prompt = str | Sequence[ChatMessage] | Chat
 def check_messages(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> list[ChatMessage]:
     """Validate chat messages; return them as :class:`ChatMessage` values."""
     if len(messages) == 0:
-        raise InvalidRequestError("messages must not be empty", param="messages")
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
     checked = []
     for i, message in enumerate(messages):
         if isinstance(message, Mapping):
@@ -100,12 +100,12 @@ def check_messages(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> list[
         role, content = message.role, message.content
         if role not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
-                param=f"messages[{i}].role",
+                f"prompt[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+                param=f"prompt[{i}].role",
             )
         if not isinstance(content, str):
             raise InvalidRequestError(
-                f"messages[{i}].content must be a string", param=f"messages[{i}].content"
+                f"prompt[{i}].content must be a string", param=f"prompt[{i}].content"
             )
         checked.append(message)
     return checked
@@ -151,7 +151,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
         if type(exc).__module__.split(".")[0] != "jinja2":
             raise
         raise InvalidRequestError(
-            f"the model's chat template refused the messages: {exc}", param="messages"
+            f"the model's chat template refused the messages: {exc}", param="prompt"
         ) from None
 
 

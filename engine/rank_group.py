@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from .errors import InvalidRequestError
+
 ParallelKind = Literal["tensor", "pipeline"]
 PARALLEL_KINDS = ("tensor", "pipeline")
 
@@ -24,9 +26,11 @@ class RankGroup:
 
     def __post_init__(self) -> None:
         if self.size < 1 and self.hostfile is None:
-            raise ValueError(f"ranks must be at least 1, got {self.size}")
+            raise InvalidRequestError(f"ranks must be at least 1, got {self.size}", param="ranks")
         if self.parallel not in PARALLEL_KINDS:
-            raise ValueError(f"parallel must be one of {', '.join(PARALLEL_KINDS)}")
+            raise InvalidRequestError(
+                f"parallel must be one of {', '.join(PARALLEL_KINDS)}", param="ranks"
+            )
 
     def launch_command(self, python: str, args_file: str) -> list[str]:
         """``mlx.launch`` running this group's ranks (``python -m mlx_trio.engine.rank``)."""

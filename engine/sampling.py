@@ -29,6 +29,7 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, greedy_sampler, make_logits_processors
 
+from .errors import InvalidRequestError
 from .grammar import grammar_processor
 from .params import PreparedRequest, SamplingParams
 
@@ -199,6 +200,6 @@ def make_row_processors(params: SamplingParams, tokenizer: Any = None) -> list[L
     )
     if params.grammar is not None:
         if tokenizer is None:
-            raise ValueError("a grammar needs the model's tokenizer")
+            raise InvalidRequestError("a grammar needs the model's tokenizer", param="grammar")
         processors.append(grammar_processor(params.grammar, tokenizer))
     return processors

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .errors import InvalidRequestError
+
 # A chunk smaller than this costs a step's fixed overhead for too few tokens.
 MIN_CHUNK = 16
 # A shared chunk is rounded down to a multiple of max_chunk / CHUNK_GRANULES, so that steps
@@ -39,8 +41,9 @@ class TokenBudget:
     max_chunk: int = 2048
 
     def __post_init__(self) -> None:
-        if min(self.max_preparation_tokens, self.max_iteration_tokens, self.max_chunk) < 1:
-            raise ValueError(f"every budget must be positive: {self}")
+        for name in ("max_preparation_tokens", "max_iteration_tokens", "max_chunk"):
+            if (value := getattr(self, name)) < 1:
+                raise InvalidRequestError(f"{name} must be at least 1, got {value}", param=name)
 
     def prompts_to_prepare(self, preparing: Sequence[int], waiting: Sequence[int]) -> int:
         """How many of the ``waiting`` prompts (their token counts, first come first) join the

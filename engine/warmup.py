@@ -34,6 +34,7 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 
 from .batch import BatchEngine
+from .errors import EngineError
 from .generate import Engine
 from .params import PreparedRequest, SamplingParams
 from .schedule import MIN_CHUNK, TokenBudget
@@ -196,5 +197,5 @@ def _batch(
             break
         batch.step()
     else:
-        raise RuntimeError(f"warm-up batch of {rows} rows did not finish in {max_steps} steps")
+        raise EngineError(f"warm-up batch of {rows} rows did not finish in {max_steps} steps")
     return WarmupShape(lane, rows, prompt_tokens, new_tokens, time.perf_counter() - start)

@@ -9,6 +9,7 @@ import trio
 from mlx_trio.actors.messages import Completed, GenerationRequest, TextDelta
 from mlx_trio.actors.scripted import Script, ScriptedEngine
 from mlx_trio.api.inprocess import open_runtime
+from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.schedule import MIN_CHUNK, TokenBudget, default_budget
 
@@ -39,8 +40,10 @@ def test_each_device_has_its_budget_and_a_flag_overrides_one_limit():
     assert default_budget("gpu", iteration=1000) == TokenBudget(
         gpu.max_preparation_tokens, 1000, gpu.max_chunk
     )
-    with pytest.raises(ValueError, match="positive"):
+    message = r"^max_preparation_tokens must be at least 1, got 0$"
+    with pytest.raises(InvalidRequestError, match=message) as refused:
         TokenBudget(0, 256)
+    assert refused.value.param == "max_preparation_tokens"
 
 
 # -- the runtime over the scripted engine -----------------------------------------------------

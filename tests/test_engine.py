@@ -102,11 +102,15 @@ def test_prompt_over_the_context_is_refused(tiny_engine):
 def test_bad_prompts_are_refused_with_param(tiny_engine):
     with pytest.raises(InvalidRequestError, match=r"^prompt must not be empty$"):
         tiny_engine.prepare("", SamplingParams())
-    with pytest.raises(InvalidRequestError, match=r"^messages must not be empty$"):
+    # A chat's messages are the engine's prompt too; the chat endpoint names them messages.
+    with pytest.raises(InvalidRequestError, match=r"^prompt must not be empty$"):
         tiny_engine.prepare([], SamplingParams())
     with pytest.raises(InvalidRequestError) as info:
         tiny_engine.prepare([{"role": "wizard", "content": "hi"}], SamplingParams())
-    assert info.value.param == "messages[0].role"
+    assert info.value.param == "prompt[0].role"
+    as_chat = info.value.renamed({"prompt": "messages"})
+    assert as_chat.param == "messages[0].role"
+    assert as_chat.message.startswith("messages[0].role must be one of")
     with pytest.raises(InvalidRequestError, match=r"outside the vocabulary") as info:
         tiny_engine.prepare("hi", SamplingParams(logit_bias={10**6: 1.0}))
     assert info.value.param == "logit_bias"

@@ -83,7 +83,9 @@ async def test_a_request_that_can_never_fit_is_refused_naming_the_field(autojump
         chat = GenerationRequest([ChatMessage("user", "x" * 100)], SamplingParams(max_tokens=1))
         with pytest.raises(MemoryBudgetExceededError) as refused:
             await rt.submit(chat)
-        assert refused.value.param == "messages"
+        assert refused.value.param == "prompt"  # the engine's name, whatever the prompt's form
+        as_chat = refused.value.renamed({"prompt": "messages"})  # as the chat endpoint names it
+        assert isinstance(as_chat, MemoryBudgetExceededError) and as_chat.param == "messages"
         # Exactly the pool fits, and nothing of the refusals was left admitted.
         result = await rt.collect(request("0123456789", 90))
         assert isinstance(result.outcome, Completed)
@@ -226,6 +228,6 @@ def test_a_projection_counts_the_slots_a_kv_step_may_leave_empty():
         cache_limit=0,
     )
     assert budget.projected_bytes(30, 40) == 100 + (70 + 255) * 512
-    assert budget.check_fits(30, 738, prompt_param="messages") == 100 + 1023 * 512
+    assert budget.check_fits(30, 738) == 100 + 1023 * 512
     with pytest.raises(MemoryBudgetExceededError, match="lower max_tokens to at most 738"):
-        budget.check_fits(30, 2000, prompt_param="messages")
+        budget.check_fits(30, 2000)

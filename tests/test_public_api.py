@@ -48,5 +48,8 @@ async def test_open_runtime_sorts_its_keywords_into_the_engines_options_and_the_
     with pytest.raises(TypeError, match=r"^open_runtime\(\) got unknown keyword arguments: bogus$"):
         async with mlx_trio.api.open_runtime(bogus=1):
             pass
+    with pytest.raises(mlx_trio.api.InvalidRequestError, match=r"^max_batch must be at least 1"):
+        async with mlx_trio.api.open_runtime(max_batch=0):
+            pass
     async with mlx_trio.api.open_runtime(engine=ScriptedEngine(), max_batch=3) as rt:
         assert rt.config == mlx_trio.api.RuntimeConfig(max_batch=3)

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from mlx_trio.actors.engine_port.thread import EngineThread
+from mlx_trio.engine.errors import EngineUnavailableError
 
 
 async def test_jobs_run_in_order_on_one_thread_and_errors_propagate():
@@ -59,7 +60,7 @@ def test_call_blocks_from_plain_threads_and_close_refuses_new_jobs():
     engine_thread = EngineThread()
     with engine_thread:
         assert engine_thread.call(threading.get_ident) == engine_thread.ident
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(EngineUnavailableError, match=r"^the engine thread is closed$"):
         engine_thread.call(lambda: None)
 
 

@@ -133,7 +133,7 @@ def test_a_template_that_refuses_the_messages_is_an_invalid_request():
     template = "{{ raise_exception('Conversation roles must alternate') }}"
     with pytest.raises(InvalidRequestError) as caught:
         encode_prompt(tokenizer_with(template), (ChatMessage("user", "hi"),))
-    assert caught.value.param == "messages"
+    assert caught.value.param == "prompt"
     assert "roles must alternate" in caught.value.message
 
 

@@ -40,7 +40,7 @@ from ...engine.calls import (
     SerialStep,
     SerialStop,
 )
-from ...engine.errors import EngineUnavailableError
+from ...engine.errors import EngineError, EngineUnavailableError
 from ...engine.generate import RequestPreparer
 from ...engine.outputs import PromptCacheStatistics, RowEvent
 from ...engine.params import PreparedRequest, SamplingParams
@@ -238,7 +238,7 @@ class CorePort:
 
     def _the_preparer(self) -> RequestPreparer:
         if self._preparer is None:
-            raise RuntimeError("this engine port was started without a tokenizer")
+            raise EngineError("this engine port was started without a tokenizer")
         return self._preparer
 
     @property

@@ -29,7 +29,8 @@ from typing import Any, Protocol, TypeVar, cast
 import trio
 
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
-from ...engine.child import EngineProcessError, serve_engine
+from ...engine.child import serve_engine
+from ...engine.errors import EngineProcessError
 from ...engine.generate import RequestPreparer
 from ...engine.options import CoreRecipe
 from ...engine.rank_group import RankGroup

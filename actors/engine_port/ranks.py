@@ -25,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from ...engine.child import EngineProcessError
+from ...engine.errors import EngineProcessError
 from ...engine.options import CoreRecipe
 from ...engine.rank import RankArgs
 from ...engine.rank_group import RankGroup

@@ -35,6 +35,7 @@ import trio
 
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply, answer
 from ...engine.core import EngineCore, clear_thread_streams
+from ...engine.errors import EngineUnavailableError
 from ...engine.generate import Engine
 from ...engine.options import CoreRecipe, boot_core
 from .port import CallClock, CorePort
@@ -142,7 +143,7 @@ class EngineThread:
 
     def _submit(self, fn: Callable[[], Any], deliver: Callable[[outcome.Outcome], None]) -> None:
         if self._closed:
-            raise RuntimeError("the engine thread is closed")
+            raise EngineUnavailableError("the engine thread is closed")
         self._jobs.put(_Job(fn, deliver))
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
