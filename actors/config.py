@@ -31,7 +31,9 @@ class RuntimeConfig:
     ``max_engine_restarts``: how many times the engine's supervisor restarts a dead or wedged
     engine within ten minutes before it gives up (0: never). ``max_preparation_tokens`` and
     ``max_iteration_tokens``: the batch's token budget (``engine/schedule.py``; None: the
-    device's).
+    device's). ``event_buffer_tokens``: the tokens (in text deltas) a session buffers for a
+    slow consumer, beside its ``event_buffer`` events; a delta with more is split. While either
+    bound is reached the session waits for the consumer, as long as ``idle_timeout_s`` allows.
     """
 
     max_batch: int = 8
@@ -48,6 +50,7 @@ class RuntimeConfig:
     max_engine_restarts: int = 5
     max_preparation_tokens: int | None = None
     max_iteration_tokens: int | None = None
+    event_buffer_tokens: int = 256
 
     @property
     def live_limit(self) -> int:

@@ -40,6 +40,7 @@ from ..engine.errors import (
     OverloadedError,
     RuntimeClosedError,
     RuntimeRefusal,
+    SecondReaderError,
     UnsupportedModelError,
 )
 from ..engine.outputs import FinishReason, TokenLogprob
@@ -91,6 +92,7 @@ __all__ = [
     "RuntimeStatistics",
     "SamplingDefaults",
     "SamplingParams",
+    "SecondReaderError",
     "SessionHandle",
     "TextDelta",
     "Timings",

@@ -30,6 +30,7 @@ from typing import Literal
 import trio
 
 from ..actors.config import RuntimeConfig, RuntimeStatistics
+from ..actors.event_queue import EventQueue
 from ..actors.messages import (
     CancelReason,
     Completed,
@@ -56,9 +57,14 @@ class SessionHandle:
     untaken for a second (its buffer full) is not sent it, and its iteration just ends, while
     ``result()`` still returns it. Closing the handle (``aclose``, or leaving ``async with``)
     before the outcome cancels the request ``consumer_closed``.
+
+    The events have one reader, the task that reads first (it may leave an ``async for`` and
+    read on later): another task's read raises ``SecondReaderError``. Each event's ``seq`` is
+    its place (0, 1, 2, ...): no gap, nothing lost. Events wait for the reader up to
+    ``event_buffer`` events and ``event_buffer_tokens`` tokens; beyond, the request waits too.
     """
 
-    def __init__(self, session: Session, events: trio.MemoryReceiveChannel[Event]) -> None:
+    def __init__(self, session: Session, events: EventQueue) -> None:
         self._session = session
         self._events = events
 
@@ -79,6 +85,8 @@ class SessionHandle:
         return self._events.__aiter__()
 
     async def receive(self) -> Event:
+        """The next event; ``trio.EndOfChannel`` after the last, ``SecondReaderError`` if
+        another task reads the events. If cancelled, no event was taken."""
         return await self._events.receive()
 
     async def result(self) -> Outcome:
@@ -97,6 +105,8 @@ class SessionHandle:
         return await self.result()
 
     async def aclose(self) -> None:
+        """Stop reading (any task may): a request without its outcome yet ends cancelled
+        ``consumer_closed``. Cancelled, the handle is closed all the same."""
         await self._events.aclose()
 
     async def __aenter__(self) -> SessionHandle:

@@ -9,6 +9,7 @@
     │   ├── UnsupportedModelError        a format, architecture or quantization we cannot load
     │   └── ModelImportError             download, checksum or conversion failed
     ├── EngineError                  a generation step failed inside MLX or mlx-lm
+    ├── SecondReaderError            a second task read a request's events (they have one reader)
     └── RuntimeRefusal               the runtime did not admit a request
         ├── OverloadedError              admission is full; carries ``retry_after_s``
         ├── EngineUnavailableError       the engine died and is restarting, or gave up
@@ -75,6 +76,13 @@ class EngineError(MlxTrioError):
     """A generation step raised inside MLX or mlx-lm."""
 
     code = "engine_fault"
+
+
+class SecondReaderError(MlxTrioError):
+    """A request's events have one reader, the task that read them first: another task's read
+    raises this rather than take events the first reader would then miss."""
+
+    code = "second_reader"
 
 
 class RuntimeRefusal(MlxTrioError):
