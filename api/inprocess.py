@@ -19,6 +19,7 @@ runtime is up, as ``mlx-trio serve`` does.
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -197,18 +198,27 @@ class RuntimeHandle:
     async def submit_with_callback(
         self,
         request: GenerationRequest | str,
-        on_event: Callable[[Event], Awaitable[None] | None],
+        on_event: Callable[[Event], Awaitable[bool | None] | bool | None],
         nursery: trio.Nursery,
     ) -> SessionHandle:
-        """Admit a request and call ``on_event`` for each event from a task in ``nursery``."""
+        """Admit a request and call ``on_event`` for each event from a task in ``nursery``.
+
+        ``on_event`` (a function or a coroutine function) returning ``False`` stops the
+        request: it ends cancelled ``requested`` and ``on_event`` is called no more. Raises as
+        ``submit`` does; if cancelled before it returns, nothing is left admitted, and a
+        cancelled ``nursery`` ends the request ``consumer_closed``.
+        """
         handle = await self.submit(request)
 
         async def pump() -> None:
             async with handle:
                 async for event in handle:
-                    maybe = on_event(event)
-                    if maybe is not None:
-                        await maybe
+                    returned = on_event(event)
+                    if inspect.isawaitable(returned):
+                        returned = await returned
+                    if returned is False:
+                        handle.cancel_nowait("requested")
+                        return
 
         nursery.start_soon(pump)
         return handle

@@ -1,6 +1,6 @@
 """What a reader of a request's events can rely on, on the scripted engine under MockClock: one
-reader, numbered events, a queue bounded in tokens as well as events, and the tokens committed
-in every outcome."""
+reader, numbered events, a queue bounded in tokens as well as events, the tokens committed in
+every outcome, and a callback that stops its request by returning False."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from mlx_trio.actors.messages import (
     TextDelta,
 )
 from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens, token_text
-from mlx_trio.api.inprocess import RuntimeHandle, open_runtime
+from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle, open_runtime
 from mlx_trio.engine.errors import SecondReaderError
 from mlx_trio.engine.params import SamplingParams
 
@@ -215,3 +215,43 @@ async def test_a_completed_request_says_how_many_tokens_it_sent(autojump_clock):
         collected = await rt.collect(request("complete", max_tokens=9))
         assert isinstance(collected.outcome, Completed)
         assert collected.outcome.committed_tokens == len(collected.token_ids) == 9
+
+
+# -- a callback that returns False ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["function", "coroutine function"])
+async def test_a_callback_that_returns_false_stops_its_request(autojump_clock, is_async: bool):
+    async with scripted(steps_per_call=1) as rt:
+        calls: list[Event] = []
+
+        def on_event(event: Event) -> bool:
+            calls.append(event)
+            return len(calls) < 3
+
+        async def on_event_async(event: Event) -> bool:
+            await trio.sleep(0.001)
+            return on_event(event)
+
+        async with trio.open_nursery() as nursery:
+            handle = await rt.submit_with_callback(
+                request("stop me", max_tokens=50),
+                on_event_async if is_async else on_event,
+                nursery,
+            )
+        outcome = await handle.result()
+        assert isinstance(outcome, Cancelled) and outcome.reason == "requested"
+        assert len(calls) == 3  # none after the one that returned False
+        assert rt.statistics().cancelled["requested"] == 1
+
+
+async def test_a_callback_that_returns_nothing_sees_its_request_to_the_end(autojump_clock):
+    async with scripted() as rt:
+        calls: list[Event] = []
+        async with trio.open_nursery() as nursery:
+            handle: SessionHandle = await rt.submit_with_callback(
+                request("to the end", max_tokens=5), calls.append, nursery
+            )
+        assert isinstance(await handle.result(), Completed)
+        assert tokens_in(calls) == tokens_for("to the end", 5)
+        assert calls[-1] is await handle.result()
