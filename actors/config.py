@@ -34,7 +34,10 @@ class RuntimeConfig:
     ``max_engine_restarts``: how many times the engine's supervisor restarts a dead or wedged
     engine within ten minutes before it gives up (0: never). ``retry_after_s``: what a refused
     client is told to wait (admission full, or the engine restarting). What the engine itself
-    is built from is ``engine/options.py``'s ``EngineOptions``.
+    is built from is ``engine/options.py``'s ``EngineOptions``. ``event_buffer_tokens``: the
+    tokens (in text deltas) a session buffers for a slow consumer, beside its ``event_buffer``
+    events; a delta with more is split. While either bound is reached the session waits for
+    the consumer, as long as ``idle_timeout_s`` allows.
     """
 
     max_batch: int = 32
@@ -49,9 +52,11 @@ class RuntimeConfig:
     admission_window_s: float = 0.005
     steps_per_call: int | None = None
     max_engine_restarts: int = 5
+    event_buffer_tokens: int = 256
 
     def __post_init__(self) -> None:
         check_at_least(self, 1, "max_batch", "max_live", "event_buffer", "steps_per_call")
+        check_at_least(self, 1, "event_buffer_tokens")
         check_at_least(self, 0, "max_queued", "shutdown_grace_s", "max_engine_restarts")
         check_at_least(self, 0, "retry_after_s", "admission_window_s")
         check_at_least(self, 0, "idle_timeout_s", "step_timeout_s", above=True)

@@ -2,12 +2,15 @@
 
 Frozen values with no MLX in them. A session publishes any number of :class:`TextDelta` and
 :class:`Progress` events and then exactly one outcome (:class:`Completed`, :class:`Cancelled` or
-:class:`Failed`), which is also what ``handle.result()`` returns.
+:class:`Failed`), which is also what ``handle.result()`` returns. Every event carries ``seq``,
+its place in the session's events (0, 1, 2, ...): a reader that sees no gap lost nothing. The
+outcome's ``seq`` is the number of events before it, and its ``committed_tokens`` the tokens in
+their text deltas, whether or not the reader took them all (a reader that did has seen them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
 from ..engine.outputs import FinishReason, TokenLogprob
@@ -57,6 +60,8 @@ class TextDelta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
+    _: KW_ONLY
+    seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,8 @@ class Progress:
 
     done: int
     total: int
+    _: KW_ONLY
+    seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +103,18 @@ class Completed:
     usage: Usage
     timings: Timings
     lane: Lane
+    _: KW_ONLY
+    committed_tokens: int
+    seq: int
 
 
 @dataclass(frozen=True, slots=True)
 class Cancelled:
     reason: CancelReason
     usage: Usage
+    _: KW_ONLY
+    committed_tokens: int
+    seq: int
 
 
 # Why a request failed: the engine failed its row or step, or the runtime had a bug.
@@ -112,6 +125,9 @@ FailureCode = Literal["engine_fault", "internal_error"]
 class Failed:
     code: FailureCode
     message: str
+    _: KW_ONLY
+    committed_tokens: int
+    seq: int
 
 
 Outcome = Completed | Cancelled | Failed

@@ -28,8 +28,8 @@ from .arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
 from .batch_group import BatchGroup
 from .channels import take_buffered
 from .config import RuntimeConfig, RuntimeStatistics
+from .event_queue import EventQueue
 from .messages import (
-    Event,
     GenerationRequest,
     Lane,
 )
@@ -95,10 +95,8 @@ class Runtime:
             return "serial"
         return "batch"
 
-    async def submit(
-        self, request: GenerationRequest
-    ) -> tuple[Session, trio.MemoryReceiveChannel[Event]]:
-        """Check, admit and start a request; return its session and its event channel.
+    async def submit(self, request: GenerationRequest) -> tuple[Session, EventQueue]:
+        """Check, admit and start a request; return its session and its event queue.
 
         Raises ``InvalidRequestError`` (nothing admitted), ``OverloadedError``,
         ``EngineUnavailableError`` or ``RuntimeClosedError`` (nothing queued). If cancelled,
@@ -109,7 +107,7 @@ class Runtime:
 
     async def submit_all(
         self, requests: list[GenerationRequest]
-    ) -> list[tuple[Session, trio.MemoryReceiveChannel[Event]]]:
+    ) -> list[tuple[Session, EventQueue]]:
         """Admit several requests together or not at all (one HTTP request's choices).
 
         Every request is checked before any is admitted (a request whose KV could never fit
@@ -202,18 +200,23 @@ class Runtime:
         request: GenerationRequest,
         prepared: PreparedRequest,
         admission: trio.MemoryReceiveChannel[gate.Reply],
-    ) -> tuple[Session, trio.MemoryReceiveChannel[Event]]:
+    ) -> tuple[Session, EventQueue]:
         lane = self.place(request, self.engine.unbatchable_reason(prepared))
-        consumer_send, consumer_recv = trio.open_memory_channel[Event](self.config.event_buffer)
+        session_id = request.request_id or f"req-{next(self._ids)}"
+        events = EventQueue(
+            session_id,
+            max_events=self.config.event_buffer,
+            max_tokens=self.config.event_buffer_tokens,
+        )
         deadline = (
             trio.current_time() + request.timeout_s if request.timeout_s is not None else math.inf
         )
         session = Session(
-            request.request_id or f"req-{next(self._ids)}",
+            session_id,
             prepared,
             lane=lane,
             links=self._links,
-            consumer=consumer_send,
+            consumer=events,
             idle_timeout_s=self.config.idle_timeout_s,
             deadline=deadline,
         )
@@ -221,7 +224,7 @@ class Runtime:
         self._sessions[session.id] = session
         self._no_sessions = trio.Event() if self._no_sessions.is_set() else self._no_sessions
         self._sessions_nursery.start_soon(self._run_session, session, admission)
-        return session, consumer_recv
+        return session, events
 
     def rows_on_their_way(self) -> int:
         """Requests that may soon ask the batch for a row: being submitted, or started on the

@@ -2,8 +2,9 @@
 
 created -> queued -> preparing -> running -> settling -> terminal. The session waits for its
 admission permit, gets its lane (the serial lease, or a row in the batch group), forwards the
-lane's events to its consumer as :class:`TextDelta` / :class:`Progress`, and publishes exactly
-one outcome. Every cancel records one reason: ``requested`` (``cancel()``), ``consumer_closed``
+lane's events to its consumer as :class:`TextDelta` / :class:`Progress` (numbered by ``seq``,
+through an :class:`EventQueue` bounded in events and tokens), and publishes exactly one
+outcome. Every cancel records one reason: ``requested`` (``cancel()``), ``consumer_closed``
 (the consumer closed its end), ``consumer_idle`` (an event waited ``idle_timeout_s`` for the
 consumer), ``deadline`` (``timeout_s`` over queue, prefill and decode), ``shutdown`` and
 ``engine_fault`` (its step hung). Leaving releases the permit and closes its inbox, which
@@ -24,6 +25,7 @@ from . import gate
 from .arbiter import ArbiterMessage, acquire
 from .batch_messages import AddRow, BatchMessage
 from .channels import take_buffered
+from .event_queue import EventQueue
 from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox
 from .messages import (
     Cancelled,
@@ -31,6 +33,7 @@ from .messages import (
     Completed,
     Event,
     Failed,
+    FailureCode,
     Lane,
     Outcome,
     Progress,
@@ -66,7 +69,7 @@ class Session:
         *,
         lane: Lane,
         links: SessionLinks,
-        consumer: trio.MemorySendChannel[Event],
+        consumer: EventQueue,
         idle_timeout_s: float,
         deadline: float,
     ) -> None:
@@ -111,7 +114,7 @@ class Session:
                 outcome = await self._generate()
         except Exception as exc:
             logger.exception("session %s failed", self.id)
-            outcome = Failed("internal_error", f"{type(exc).__name__}: {exc}")
+            outcome = self._failed("internal_error", f"{type(exc).__name__}: {exc}")
         finally:
             self.state = "settling"
             with (
@@ -127,7 +130,12 @@ class Session:
                 else:  # it left the queue: the waiters behind it may fit now
                     await self._links.gate.send(gate.Withdraw())
             if outcome is None:
-                outcome = Cancelled(self._cancel_reason(), self._usage())
+                outcome = Cancelled(
+                    self._cancel_reason(),
+                    self._usage(),
+                    committed_tokens=self._consumer.num_sent_tokens,
+                    seq=self._consumer.num_sent,
+                )
             await self._publish_outcome(outcome)
 
     @property
@@ -162,11 +170,11 @@ class Session:
         while (event := await inbox.receive()) is not None:
             match event:
                 case RowProgress(done=done, total=total):
-                    await self._publish(Progress(done, total))
+                    await self._publish(Progress(done, total, seq=self._consumer.num_sent))
                 case RowOutput(delta=delta, stats=stats):
                     self._count(delta, stats)
                     if delta.text or delta.token_ids:
-                        await self._publish(TextDelta(delta.text, delta.token_ids, delta.logprobs))
+                        await self._publish_text(delta)
                     if stats is not None:
                         assert delta.finish_reason is not None
                         return Completed(
@@ -174,9 +182,11 @@ class Session:
                             usage=self._usage(cached=stats.cached_tokens),
                             timings=self._timings(),
                             lane=self.lane,
+                            committed_tokens=self._consumer.num_sent_tokens,
+                            seq=self._consumer.num_sent,
                         )
                 case RowFailed(message=message) | LaneFailed(message=message):
-                    return Failed("engine_fault", message)
+                    return self._failed("engine_fault", message)
                 case Abandoned(message=message):
                     logger.error("session %s abandoned: %s", self.id, message)
                     self.cancel("engine_fault")
@@ -192,9 +202,10 @@ class Session:
             return False
         match event:
             case RowProgress(done=done, total=total):
-                return self._offer(Progress(done, total))
+                return self._offer(Progress(done, total, seq=self._consumer.num_sent))
             case RowOutput(delta=delta, stats=None):
-                text = TextDelta(delta.text, delta.token_ids, delta.logprobs)
+                seq = self._consumer.num_sent
+                text = TextDelta(delta.text, delta.token_ids, delta.logprobs, seq=seq)
                 if (delta.text or delta.token_ids) and not self._offer(text):
                     return False
                 self._count(delta, None)
@@ -210,6 +221,14 @@ class Session:
             stats.generated_tokens if stats else self._num_generated + len(delta.token_ids)
         )
 
+    def _failed(self, code: FailureCode, message: str) -> Failed:
+        return Failed(
+            code,
+            message,
+            committed_tokens=self._consumer.num_sent_tokens,
+            seq=self._consumer.num_sent,
+        )
+
     def _offer(self, event: Event) -> bool:
         """Give ``event`` to the consumer if its buffer has room (False: full, or it left)."""
         try:
@@ -217,6 +236,24 @@ class Session:
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         return True
+
+    async def _publish_text(self, delta: Delta) -> None:
+        """Publish a delta's text and tokens: as one :class:`TextDelta` if its tokens fit in the
+        consumer's token bound, else as several that do (the text with the first)."""
+        step = self._consumer.max_tokens
+        ids, logprobs = delta.token_ids, delta.logprobs
+        if len(ids) <= step:
+            await self._publish(TextDelta(delta.text, ids, logprobs, seq=self._consumer.num_sent))
+            return
+        for start in range(0, len(ids), step):
+            await self._publish(
+                TextDelta(
+                    delta.text if start == 0 else "",
+                    ids[start : start + step],
+                    None if logprobs is None else logprobs[start : start + step],
+                    seq=self._consumer.num_sent,
+                )
+            )
 
     async def _publish(self, event: Event) -> None:
         """Hand ``event`` to the consumer, or cancel the session if it left or went idle.

@@ -40,6 +40,7 @@ from ..engine.errors import (
     OverloadedError,
     RuntimeClosedError,
     RuntimeRefusal,
+    SecondReaderError,
     UnsupportedModelError,
 )
 from ..engine.options import EngineOptions
@@ -93,6 +94,7 @@ __all__ = [
     "RuntimeStatistics",
     "SamplingDefaults",
     "SamplingParams",
+    "SecondReaderError",
     "SessionHandle",
     "TextDelta",
     "Timings",

@@ -19,6 +19,7 @@ runtime is up, as ``mlx-trio serve`` does.
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,7 @@ from dataclasses import fields as fields_of
 import trio
 
 from ..actors.config import RuntimeConfig, RuntimeStatistics
+from ..actors.event_queue import EventQueue
 from ..actors.messages import (
     CancelReason,
     Completed,
@@ -55,9 +57,14 @@ class SessionHandle:
     untaken for a second (its buffer full) is not sent it, and its iteration just ends, while
     ``result()`` still returns it. Closing the handle (``aclose``, or leaving ``async with``)
     before the outcome cancels the request ``consumer_closed``.
+
+    The events have one reader, the task that reads first (it may leave an ``async for`` and
+    read on later): another task's read raises ``SecondReaderError``. Each event's ``seq`` is
+    its place (0, 1, 2, ...): no gap, nothing lost. Events wait for the reader up to
+    ``event_buffer`` events and ``event_buffer_tokens`` tokens; beyond, the request waits too.
     """
 
-    def __init__(self, session: Session, events: trio.MemoryReceiveChannel[Event]) -> None:
+    def __init__(self, session: Session, events: EventQueue) -> None:
         self._session = session
         self._events = events
 
@@ -78,6 +85,8 @@ class SessionHandle:
         return self._events.__aiter__()
 
     async def receive(self) -> Event:
+        """The next event; ``trio.EndOfChannel`` after the last, ``SecondReaderError`` if
+        another task reads the events. If cancelled, no event was taken."""
         return await self._events.receive()
 
     async def result(self) -> Outcome:
@@ -96,6 +105,8 @@ class SessionHandle:
         return await self.result()
 
     async def aclose(self) -> None:
+        """Stop reading (any task may): a request without its outcome yet ends cancelled
+        ``consumer_closed``. Cancelled, the handle is closed all the same."""
         await self._events.aclose()
 
     async def __aenter__(self) -> SessionHandle:
@@ -186,18 +197,27 @@ class RuntimeHandle:
     async def submit_with_callback(
         self,
         request: GenerationRequest | str,
-        on_event: Callable[[Event], Awaitable[None] | None],
+        on_event: Callable[[Event], Awaitable[bool | None] | bool | None],
         nursery: trio.Nursery,
     ) -> SessionHandle:
-        """Admit a request and call ``on_event`` for each event from a task in ``nursery``."""
+        """Admit a request and call ``on_event`` for each event from a task in ``nursery``.
+
+        ``on_event`` (a function or a coroutine function) returning ``False`` stops the
+        request: it ends cancelled ``requested`` and ``on_event`` is called no more. Raises as
+        ``submit`` does; if cancelled before it returns, nothing is left admitted, and a
+        cancelled ``nursery`` ends the request ``consumer_closed``.
+        """
         handle = await self.submit(request)
 
         async def pump() -> None:
             async with handle:
                 async for event in handle:
-                    maybe = on_event(event)
-                    if maybe is not None:
-                        await maybe
+                    returned = on_event(event)
+                    if inspect.isawaitable(returned):
+                        returned = await returned
+                    if returned is False:
+                        handle.cancel_nowait("requested")
+                        return
 
         nursery.start_soon(pump)
         return handle

@@ -11,6 +11,7 @@
     ├── EngineError                  the engine failed: a step inside MLX or mlx-lm, its warm-up
     │   └── EngineProcessError           the engine's process (or group of ranks) ended or
     │                                    could not start, or a reply of its would not pickle
+    ├── SecondReaderError            a second task read a request's events (they have one reader)
     └── RuntimeRefusal               the runtime did not admit a request
         ├── OverloadedError              admission is full; carries ``retry_after_s``
         ├── EngineUnavailableError       the engine died and is restarting, or gave up
@@ -123,6 +124,13 @@ class EngineError(MlxTrioError):
 class EngineProcessError(EngineError):
     """The engine process ended (it crashed, or was killed) or could not start; or a reply of
     its would not pickle."""
+
+
+class SecondReaderError(MlxTrioError):
+    """A request's events have one reader, the task that read them first: another task's read
+    raises this rather than take events the first reader would then miss."""
+
+    code = "second_reader"
 
 
 class RuntimeRefusal(MlxTrioError):

@@ -121,7 +121,7 @@ async def test_ranks_give_one_process_greedy_tokens_through_cancel_and_disconnec
         async with trio.open_nursery() as nursery:
             for i in range(len(handles)):
                 nursery.start_soon(read, i)
-        assert results[2][2] == Cancelled("requested", results[2][2].usage)
+        assert isinstance(results[2][2], Cancelled) and results[2][2].reason == "requested"
         assert isinstance(results[5][2], Cancelled) and results[5][2].reason == "consumer_closed"
         for i, question in enumerate(QUESTIONS):
             if i not in (2, 5):

@@ -25,7 +25,7 @@ PUBLIC = {
     "MlxTrioError", "InvalidRequestError", "ContextLengthExceededError", "RuntimeRefusal",
     "OverloadedError", "RuntimeClosedError", "EngineError", "EngineUnavailableError",
     "ModelError",
-    "ModelNotFoundError", "UnsupportedModelError", "ModelImportError",
+    "ModelNotFoundError", "UnsupportedModelError", "ModelImportError", "SecondReaderError",
 }  # fmt: skip
 
 
