@@ -1,15 +1,27 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import mlx_trio.engine._blas  # noqa: F401  (loads OpenBLAS before anything imports MLX)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """End-to-end and install tests are slow by nature: ``-m "not slow"`` leaves them out."""
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]):
+    """End-to-end and install tests are slow by nature: ``-m "not slow"`` leaves them out (they
+    are marked before the other implementations, the ``-m`` selection among them, run).
+
+    Then, on an xdist worker, the files with a slow test come first, in their order: ``--dist
+    loadfile`` hands out files in collection order (``--no-loadscope-reorder``, in pyproject),
+    so the long ones start at once and the quick ones fill in beside them at the end."""
     for item in items:
         if item.get_closest_marker("e2e") or item.get_closest_marker("install"):
             item.add_marker(pytest.mark.slow)
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow_files)  # stable
 
 
 @pytest.fixture(scope="session")
@@ -29,10 +41,13 @@ def client(server):
         yield http
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["engine thread", "engine process"])
+@pytest.fixture(scope="session", params=[False, True], ids=["engine thread", "engine process"])
 def default_model_server(request: pytest.FixtureRequest):
     """The real server on the embedded default model, healthy, over the engine thread and
-    the engine process in turn (one of each a module)."""
+    the engine process in turn, shared by the modules that ask for it (their tests neither
+    restart its engine nor change its settings). One at a time, pytest runs every such test
+    on the first before it starts the second: one of each a session. Under ``--dist
+    loadfile`` a worker runs a file whole, so each file still starts its own pair."""
     from mlx_trio.actors.config import RuntimeConfig
     from mlx_trio.api.server import ServeOptions
     from mlx_trio.engine.options import EngineOptions

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -150,50 +151,62 @@ def rank_pids(rank: int) -> list[int]:
     return found
 
 
-def test_a_rank_killed_mid_request_fails_it_and_the_group_restarts():
+@pytest.fixture(scope="module")
+def pipeline_server() -> Iterator[ServerThread]:
+    """One server on 2 pipeline ranks for both kill tests: each kills a rank of the group it
+    finds and counts the restarts and failures its kill added."""
     runtime = RuntimeConfig(max_batch=4, **SLOW_STEPS)
     options = ServeOptions(engine=EngineOptions(ranks=RankGroup(2, "pipeline")), runtime=runtime)
     with ServerThread(options) as server:
         wait_for(lambda: health(server.url) == 200, 180, "the ranks came up")
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-        model = client.models.list().data[0].id
-        stream = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
-            max_tokens=200,
-            temperature=0,
-            stream=True,
-        )
-        chunks = iter(stream)
-        next(chunks)  # under way
-        (pid,) = rank_pids(1)
-        os.kill(pid, signal.SIGKILL)
-        with pytest.raises(openai.APIError):  # the stream ends in an error, not in silence
-            for _ in chunks:
-                pass
-        assert wait_for(lambda: health(server.url) == 503, 5, "/health turned 503") < 5
-        stats = httpx.get(f"{server.url}/v1/stats").json()
-        assert stats["failed"] == {"engine_fault": 1}
-        wait_for(lambda: health(server.url) == 200, 180, "a new group started")
-        assert "Paris" in ask(client, model, "What is the capital of France?", max_tokens=12)
-        assert httpx.get(f"{server.url}/v1/stats").json()["engine"]["restarts"] == 1
+        yield server
 
 
-def test_a_rank_killed_while_idle_restarts_the_group():
+def counters(server: ServerThread) -> tuple[int, dict[str, int]]:
+    """The engine's restarts and the failed requests by reason, as ``/v1/stats`` says."""
+    stats = httpx.get(f"{server.url}/v1/stats").json()
+    return stats["engine"]["restarts"], stats["failed"]
+
+
+def test_a_rank_killed_mid_request_fails_it_and_the_group_restarts(pipeline_server):
+    server = pipeline_server
+    wait_for(lambda: health(server.url) == 200, 180, "the ranks are up")
+    restarts, failed = counters(server)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+    )
+    chunks = iter(stream)
+    next(chunks)  # under way
+    (pid,) = rank_pids(1)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError):  # the stream ends in an error, not in silence
+        for _ in chunks:
+            pass
+    assert wait_for(lambda: health(server.url) == 503, 5, "/health turned 503") < 5
+    faults = failed.get("engine_fault", 0)
+    assert counters(server)[1] == {**failed, "engine_fault": faults + 1}
+    wait_for(lambda: health(server.url) == 200, 180, "a new group started")
+    assert "Paris" in ask(client, model, "What is the capital of France?", max_tokens=12)
+    assert counters(server)[0] == restarts + 1
+
+
+def test_a_rank_killed_while_idle_restarts_the_group(pipeline_server):
     """No step in flight, so rank 0 learns nothing from the collectives: ``mlx.launch`` ends it
     (SIGTERM), and the runtime sees the group die at once rather than at the next request."""
-    options = ServeOptions(
-        engine=EngineOptions(ranks=RankGroup(2, "pipeline")), runtime=RuntimeConfig(**SLOW_STEPS)
-    )
-    with ServerThread(options) as server:
-        wait_for(lambda: health(server.url) == 200, 180, "the ranks came up")
-        (pid,) = rank_pids(1)
-        os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: health(server.url) == 503, 30, "/health turned 503")
-        wait_for(lambda: health(server.url) == 200, 180, "a new group started")
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-        model = client.models.list().data[0].id
-        assert "Paris" in ask(client, model, "What is the capital of France?", max_tokens=12)
-        stats = httpx.get(f"{server.url}/v1/stats").json()
-        assert stats["engine"]["restarts"] == 1
-        assert stats["failed"] == {}  # nothing was in flight to lose
+    server = pipeline_server
+    wait_for(lambda: health(server.url) == 200, 180, "the ranks are up")
+    restarts, failed = counters(server)
+    (pid,) = rank_pids(1)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: health(server.url) == 503, 30, "/health turned 503")
+    wait_for(lambda: health(server.url) == 200, 180, "a new group started")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    assert "Paris" in ask(client, model, "What is the capital of France?", max_tokens=12)
+    assert counters(server) == (restarts + 1, failed)  # nothing was in flight to lose

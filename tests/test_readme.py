@@ -32,7 +32,7 @@ def test_the_first_commands_are_setup_and_serve_then_setup_and_the_tests():
     first = re.search(r"```sh\n(.*?)```", README.read_text(), flags=re.DOTALL)[1]
     assert first.splitlines() == [
         "scripts/setup.sh && .venv/bin/mlx-trio serve",
-        "scripts/setup.sh --test && .venv/bin/pytest",
+        "scripts/setup.sh --test && .venv/bin/pytest -n 2 --dist loadfile",
     ]
 
 
