@@ -132,10 +132,12 @@ async def test_a_killed_engine_process_fails_each_request_once_and_the_runtime_s
 
 
 async def test_an_engine_that_cannot_be_built_raises_its_own_error_and_leaves_no_process():
+    # Another module's server may keep its engine process for the session (tests/conftest.py).
+    before = set(multiprocessing.active_children())
     with pytest.raises(UnsupportedModelError, match="'nothing' is not supported"):
         async with open_process_engine(CoreRecipe(build_nothing, max_batch=2), None):
             pytest.fail("the engine process started")
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before
 
 
 @pytest.mark.parametrize("size", [0, 7, 40_000])

@@ -93,29 +93,35 @@ def _allowed(run: RunResult, result: RequestResult) -> set[str]:
 
 def _every_planned_fault_injected(run: RunResult) -> Check:
     """Every planned kind was injected, but a client fault whose chain of carriers the
-    shutdown cut: a fault moves on to the next request until one acts it out (``TimedFault``:
-    a refused request, or one that ends first, passes it on), so on a slow machine the planned
-    shutdown can come before any carrier reached its events."""
+    shutdown or a crash cut: a fault moves on to the next request until one acts it out
+    (``TimedFault``: a refused request, or one that ends first, passes it on), so on a slow
+    machine the planned shutdown, or an engine crash that fails every row and refuses what
+    comes while it restarts, can come before any carrier reached its events."""
     planned, injected = run.plan.planned, run.injected
     missing = sorted(kind for kind in planned if not injected[kind])
     uncarried = [kind for kind in missing if _no_request_could_carry(run, kind)]
     missing = [kind for kind in missing if kind not in uncarried]
     detail = f"never injected: {', '.join(missing)}" if missing else f"{len(planned)} kinds"
     if uncarried:
-        detail += f"; no request could act out {', '.join(uncarried)} before the shutdown"
+        detail += f"; the shutdown or a crash ended every carrier of {', '.join(uncarried)}"
     return Check("every planned fault kind injected", not missing, detail)
 
 
 def _no_request_could_carry(run: RunResult, kind: str) -> bool:
-    """Whether the shutdown cut the client fault ``kind``'s chain of carriers: the run shut
-    down, and the last request that carried it (if any did) was refused or cancelled by it."""
-    if run.plan.shutdown_at_s is None or kind not in {f.kind for f in run.plan.client_faults}:
+    """Whether the shutdown or an engine crash cut the client fault ``kind``'s chain of
+    carriers: the last request that carried it (if any did) was refused or cancelled by the
+    shutdown, or refused or failed by the crash."""
+    shutdown = run.plan.shutdown_at_s is not None
+    crashed = bool(run.injected["engine_crash"])
+    if not (shutdown or crashed) or kind not in {f.kind for f in run.plan.client_faults}:
         return False
     carriers = [r for r in run.requests if r.plan.client is not None and r.plan.client.kind == kind]
     if not carriers:
         return True
     last = max(carriers, key=lambda r: r.plan.start_s)
-    return last.refused is not None or last.outcome == "cancelled:shutdown"
+    by_shutdown = last.refused is not None or last.outcome == "cancelled:shutdown"
+    by_crash = last.refused == "engine_unavailable" or last.outcome == "failed:engine_fault"
+    return (shutdown and by_shutdown) or (crashed and by_crash)
 
 
 def _refusals_only_past_the_bound(run: RunResult) -> Check:
