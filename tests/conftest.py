@@ -41,13 +41,10 @@ def client(server):
         yield http
 
 
-@pytest.fixture(scope="session", params=[False, True], ids=["engine thread", "engine process"])
+@pytest.fixture(scope="module", params=[False, True], ids=["engine thread", "engine process"])
 def default_model_server(request: pytest.FixtureRequest):
     """The real server on the embedded default model, healthy, over the engine thread and
-    the engine process in turn, shared by the modules that ask for it (their tests neither
-    restart its engine nor change its settings). One at a time, pytest runs every such test
-    on the first before it starts the second: one of each a session. Under ``--dist
-    loadfile`` a worker runs a file whole, so each file still starts its own pair."""
+    the engine process in turn (one of each a module)."""
     from mlx_trio.actors.config import RuntimeConfig
     from mlx_trio.api.server import ServeOptions
     from mlx_trio.engine.options import EngineOptions
