@@ -121,6 +121,16 @@ class FaultyEngine:
     def memory_usage(self) -> MemoryUsage | None:
         return self.inner.memory_usage()
 
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        return await self.inner.tokenize(prompt)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.inner.detokenize(token_ids)
+
+    @property
+    def context_length(self) -> int:
+        return self.inner.context_length
+
     def token_text(self, token_id: int) -> str:
         return self.inner.token_text(token_id)
 

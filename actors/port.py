@@ -84,6 +84,20 @@ class EnginePort(Protocol):
         """The prompt cache's counters, or None if the engine has none."""
         ...
 
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids as ``prepare`` would make them, whatever its length (for
+        counting); raises ``InvalidRequestError`` for a prompt that cannot be rendered."""
+        ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids together."""
+        ...
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens a prompt and its reply may hold together."""
+        ...
+
     def token_text(self, token_id: int) -> str:
         """The text of one token, for logprobs."""
         ...

@@ -141,16 +141,27 @@ class ScriptedEngine:
             raise InvalidRequestError(
                 "the scripted engine does not constrain its output", param="grammar"
             )
+        if prompt == "":
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        tokens = tuple(await self.tokenize(prompt))
+        check_fits(len(tokens), params.max_tokens, self.script.context_length)
+        return PreparedRequest(prompt_tokens=tokens, params=params)
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """A character's code point as its token."""
         if isinstance(prompt, str):
-            if prompt == "":
-                raise InvalidRequestError("prompt must not be empty", param="prompt")
             text = prompt
         else:
             messages = prompt.messages if isinstance(prompt, Chat) else prompt
             text = "\n".join(m.content for m in check_messages(messages))
-        tokens = tuple(ord(c) for c in text) or (1,)
-        check_fits(len(tokens), params.max_tokens, self.script.context_length)
-        return PreparedRequest(prompt_tokens=tokens, params=params)
+        return [ord(c) for c in text] or [1]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return "".join(token_text(t) for t in token_ids)
+
+    @property
+    def context_length(self) -> int:
+        return self.script.context_length
 
     def token_text(self, token_id: int) -> str:
         return token_text(token_id)

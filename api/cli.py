@@ -288,6 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt-cache entries (default: $MLX_TRIO_API_KEY)",
     )
     serve.add_argument(
+        "--served-model-name",
+        type=nonempty("--served-model-name"),
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names requests may give the model, listed by /v1/models (several: an agent's "
+        "own model names); default: the model's id",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        type=nonempty("--allowed-origins"),
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins allowed by CORS ('*' for any); default: none",
+    )
+    serve.add_argument(
         "--max-body-bytes",
         type=integer(1024, 1 << 30),
         default=None,
@@ -383,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _once(given: list[str] | None) -> tuple[str, ...] | None:
+    """A repeatable flag's values, each once, in order; None if not given."""
+    return tuple(dict.fromkeys(given)) if given else None
+
+
 def _api_keys(given: list[str] | None) -> tuple[str, ...]:
     """``--api-key`` as given (each once), else ``$MLX_TRIO_API_KEY``, else none."""
     if given:
@@ -441,6 +463,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         http=given(
             HttpSettings,
             api_keys=_api_keys(args.api_key),
+            served_model_names=_once(args.served_model_name),
+            allowed_origins=_once(args.allowed_origins),
             max_body_bytes=args.max_body_bytes,
             max_n=args.max_n,
             sampling=_flag_defaults(args),

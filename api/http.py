@@ -21,6 +21,7 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -122,6 +123,8 @@ def build_app(state: AppState) -> ASGIApp:
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
+            Route("/tokenize", api.tokenize, methods=["POST"]),
+            Route("/detokenize", api.detokenize, methods=["POST"]),
             Route("/v1/stats", api.stats, methods=["GET"]),
             Route("/v1/requests/{request_id}/cancel", api.cancel, methods=["POST"]),
             Route("/health", api.health, methods=["GET"]),
@@ -133,4 +136,17 @@ def build_app(state: AppState) -> ASGIApp:
             Exception: internal_error,
         },
     )
-    return EdgeMiddleware(app, state.settings.api_keys)
+    edge = EdgeMiddleware(app, state.settings.api_keys)
+    origins = state.settings.allowed_origins
+    if not origins:
+        return edge
+    # Outside the key check: a browser's preflight carries no key, and a 401 needs CORS headers
+    # for the page to read it.
+    return CORSMiddleware(
+        edge,
+        allow_origins=list(origins),
+        allow_methods=["*"],
+        allow_headers=["*"],
+        expose_headers=["X-Request-Id", "Retry-After"],
+        max_age=600,
+    )

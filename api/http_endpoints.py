@@ -5,7 +5,6 @@ choices against ``max_n``), submit its sessions and hand them to a JSON or SSE a
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -13,27 +12,22 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..actors.messages import GenerationRequest
-from ..engine.errors import (
-    InvalidRequestError,
-    RuntimeRefusal,
-)
+from ..engine.errors import InvalidRequestError
 from ..engine.prompt import Chat
 from ..engine.reply import ReplySplitter
 from ..engine.sampling_defaults import applied
+from . import http_tokens
 from . import openai_format as fmt
 from .http_errors import HttpError, refusal_error
 from .http_exchange import Exchange
 from .http_input import parse, read_json
 from .http_responses import EventStream, complete
-from .http_state import API_KEY_STATE, AppState, HttpSettings
+from .http_state import AppState, HttpSettings
+from .http_submit import check_model, runtime_of, submit
 from .inprocess import RuntimeHandle, SessionHandle
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
-
-MAX_ECHOED_MODEL = 64  # characters of an unknown model's name said back
-
 
 MAX_MESSAGES = 4096  # a chat's messages; each costs validation and template rendering
 
@@ -50,11 +44,6 @@ class Api:
 
     async def _read(self, request: Request) -> dict[str, Any]:
         return await read_json(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
-
-    def _runtime(self) -> RuntimeHandle:
-        if self.state.runtime is None:
-            raise HttpError(503, "the model is loading", type="server_error", code="loading")
-        return self.state.runtime
 
     async def chat(self, request: Request) -> Response:
         data = await self._read(request)
@@ -103,45 +92,11 @@ class Api:
     ) -> Response:
         """``prompts`` (``num_prompts`` of them, each to get ``n`` choices) raises
         ``InvalidRequestError`` for a bad prompt; it is called after the cheaper checks."""
-        rt = self._runtime()
-        if body.model not in (self.state.model_id, rt.model_id):
-            # Named back as OpenAI does, cut to a length that cannot bloat the answer or a log.
-            named = body.model
-            if len(named) > MAX_ECHOED_MODEL:
-                named = named[: MAX_ECHOED_MODEL - 3] + "..."
-            raise HttpError(
-                404,
-                f"The model '{named}' does not exist; this server serves '{rt.model_id}'",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(self.state, runtime_of(self.state), body.model)
         self._check_choices(num_prompts, body.n)
-        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        timeout = body.timeout if body.timeout is not None else self.settings.request_timeout_s
-        salt = cache_salt(request, body.cache_salt)
-        try:
-            generations = [
-                GenerationRequest(
-                    prompt,
-                    body.params(
-                        default_max_tokens=self.settings.default_max_tokens,
-                        seed_offset=i,
-                        defaults=self.settings.sampling.over(rt.sampling_defaults),
-                    ),
-                    timeout_s=timeout,
-                    request_id=f"{request_id}/{p * body.n + i}",
-                    cache_salt=salt,
-                )
-                for p, prompt in enumerate(prompts())
-                for i in range(body.n)
-            ]
-            handles = await rt.submit_all(generations)
-        except (InvalidRequestError, RuntimeRefusal) as exc:
-            if isinstance(exc, RuntimeRefusal):  # labelled by its code: overloaded, ...
-                self.state.metrics.refusals.labels(exc.code).inc()
-            if isinstance(exc, InvalidRequestError):
-                exc = exc.renamed(body.field_names())
-            raise refusal_error(exc) from None
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        submitted = await submit(self.state, request, body, prompts, id_prefix=prefix)
+        rt, request_id, handles = submitted.runtime, submitted.request_id, submitted.handles
         exchange = Exchange(
             request_id,
             kind,
@@ -163,9 +118,15 @@ class Api:
 
     # -- the other endpoints ----------------------------------------------------------------
 
+    async def tokenize(self, request: Request) -> Response:
+        return await http_tokens.tokenize(self.state, request, await self._read(request))
+
+    async def detokenize(self, request: Request) -> Response:
+        return await http_tokens.detokenize(self.state, request, await self._read(request))
+
     async def models(self, request: Request) -> Response:
-        ids = [self.state.model_id] if self.state.model_id else []
         rt = self.state.runtime
+        ids = list(self.state.model_names(rt)) if rt is not None else []
         defaults = applied(self.state.sampling_layers(rt)) if rt is not None else {}
         extra: dict[str, object] = {
             "sampling_defaults": {
@@ -225,15 +186,6 @@ class Api:
         for handle in handles:
             handle.cancel_nowait("requested")
         return JSONResponse({"id": request_id, "object": "request.cancelled"})
-
-
-def cache_salt(request: Request, asked: str | None) -> str | None:
-    """A request's prompt-cache partition: the API key it came with (by its place among the
-    server's keys), and the ``cache_salt`` it asked for; None, the shared one, for neither.
-    So with several keys, ``cached_tokens`` never tells one key's client what another's sent."""
-    key = request.scope.get("state", {}).get(API_KEY_STATE)
-    parts = [f"key {key}" if key is not None else "", f"salt {asked}" if asked else ""]
-    return "; ".join(p for p in parts if p) or None
 
 
 def splitters(

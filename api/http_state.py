@@ -20,9 +20,12 @@ class HttpSettings:
     """The HTTP edge's limits. ``max_n``: the choices one request may ask for, counted as
     prompts x ``n`` (each choice takes an admission slot); more is refused with 400.
     ``api_keys``: the bearer tokens accepted (none: no key needed); each key's requests reuse
-    only their own prompt-cache entries."""
+    only their own prompt-cache entries. ``served_model_names``: the names a request may give
+    the model (vLLM's ``--served-model-name``); none: the model's own id."""
 
     api_keys: tuple[str, ...] = ()
+    served_model_names: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()  # CORS: the browser origins allowed ("*": any)
     max_body_bytes: int = 2 * 1024 * 1024
     max_n: int = 8
     default_max_tokens: int = 512
@@ -37,12 +40,16 @@ class AppState:
 
     settings: HttpSettings
     runtime: RuntimeHandle | None = None
-    model_id: str | None = None
+    model_id: str | None = None  # the name the model is listed by, once loaded
     live: dict[str, list[SessionHandle]] = field(default_factory=dict)
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.statistics)
+
+    def model_names(self, rt: RuntimeHandle) -> tuple[str, ...]:
+        """The names requests may give the model, the first the one it is listed by."""
+        return self.settings.served_model_names or (rt.model_id,)
 
     def statistics(self) -> RuntimeStatistics | None:
         return self.runtime.statistics() if self.runtime else None

@@ -22,7 +22,7 @@ import gc
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from dataclasses import fields as fields_of
@@ -44,6 +44,7 @@ from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
 from ..engine.budget import MemoryLimit
 from ..engine.options import EngineOptions
+from ..engine.prompt import Prompt
 from ..engine.reply import ReplySyntax
 from ..engine.sampling_defaults import SamplingDefaults
 
@@ -147,6 +148,21 @@ class RuntimeHandle:
     def config(self) -> RuntimeConfig:
         """The limits the runtime was opened with."""
         return self._runtime.config
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, as a request's would be, whatever its length (for counting:
+        ``context_length`` says what fits); ``InvalidRequestError`` for a malformed prompt."""
+        return await self._runtime.engine.tokenize(prompt)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids together; ``InvalidRequestError`` for an id outside the
+        vocabulary."""
+        return self._runtime.engine.detokenize(token_ids)
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens a prompt and its reply may hold together."""
+        return self._runtime.engine.context_length
 
     def token_text(self, token_id: int) -> str:
         """One token id's text, as the model's tokenizer decodes it alone."""

@@ -120,11 +120,13 @@ async def serve(
             async with open_runtime(options.engine, engine=engine, config=options.runtime) as rt:
                 await _check_flags_against_the_model(rt, options)
                 state.runtime = rt
-                state.model_id = rt.model_id
+                names = state.model_names(rt)
+                state.model_id = names[0]
                 freeze_startup_heap()
-                logger.info("serving model '%s' at %s", rt.model_id, url)
+                served = f" as {', '.join(names)}" if names != (rt.model_id,) else ""
+                logger.info("serving model '%s'%s at %s", rt.model_id, served, url)
                 logger.info("sampling defaults: %s", describe(state.sampling_layers(rt)))
-                example = curl_example(url, rt.model_id, bool(options.http.api_keys))
+                example = curl_example(url, names[0], bool(options.http.api_keys))
                 logger.info("try: %s", example)
                 await shutdown.wait()
                 logger.info("shutting down: admission closed, finishing in-flight requests")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
@@ -190,6 +190,17 @@ class RequestPreparer:
     def grammar_sandbox(self) -> GrammarSandbox:
         """Where a request's grammar is compiled first (``engine/grammar_sandbox.py``)."""
         return GrammarSandbox(TokenizerSpec.of(self.tokenizer))
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids with no check of its length (for counting)."""
+        return encode_prompt(self.tokenizer, prompt)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidRequestError(
+                f"token ids must be from 0 to {self.vocab_size - 1}", param="tokens"
+            )
+        return self.tokenizer.decode(list(token_ids))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

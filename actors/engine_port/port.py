@@ -230,6 +230,16 @@ class CorePort:
         """Tokenize and check in a worker thread; if cancelled, nothing is left."""
         return await trio.to_thread.run_sync(self._the_preparer().prepare, prompt, params)
 
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        return await trio.to_thread.run_sync(self._the_preparer().tokenize, prompt)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self._the_preparer().detokenize(token_ids)
+
+    @property
+    def context_length(self) -> int:
+        return self._the_preparer().context_length
+
     def token_text(self, token_id: int) -> str:
         return self._the_preparer().token_text(token_id)
 
