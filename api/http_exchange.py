@@ -43,6 +43,8 @@ class Exchange:
     n: int = 1  # choices to a prompt: handles[p * n : (p + 1) * n] share prompt p
     # Each chat choice's reply splitter (content, reasoning, tool calls); None: text as it is.
     splitters: list[ReplySplitter | None] = field(default_factory=list)
+    # The metrics' endpoint label; None: the kind's ("chat" or "completions").
+    endpoint: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
     outcomes: list[Outcome | None] = field(default_factory=list)
@@ -86,7 +88,7 @@ class Exchange:
 
     def _count(self, outcome: Outcome) -> None:
         metrics = self.metrics
-        endpoint = "chat" if self.kind == "chat" else "completions"
+        endpoint = self.endpoint or ("chat" if self.kind == "chat" else "completions")
         match outcome:
             case Completed(usage=usage, timings=timings):
                 metrics.requests.labels(endpoint, "completed").inc()
