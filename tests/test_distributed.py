@@ -34,17 +34,17 @@ from tests.server_thread import ServerThread, ask, health, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+# Few and short: 3 ranks on CI's 2 cores take about a second a step, and what is shown (the
+# ranks' tokens are one process's, through a cancel and a disconnect) needs no more.
 QUESTIONS = [
     "What is the capital of France?",
     "Name a color.",
     "Count to three.",
     "What is 2 + 2?",
-    "Say hello.",
-    "Name a fruit.",
-    "What day comes after Monday?",
     "Name an animal.",
 ]
-MAX_TOKENS = 6
+CANCELLED, DISCONNECTED = 1, 2  # of the batch
+MAX_TOKENS = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2)
 NEAR_TIE = 0.05  # nats between the top two where the ranks' sum order may pick either
 # Several ranks share 2 cores in CI: a step takes seconds, not the watchdog's default.
@@ -102,16 +102,16 @@ async def test_ranks_give_one_process_greedy_tokens_through_cancel_and_disconnec
         assert isinstance(outcome, Completed)
         same_or_near_tie(tokens, logprobs, one_process[QUESTIONS[0]])
 
-        # A batch of 8: one cancelled and one whose reader goes away after a first token.
+        # A batch: one cancelled and one whose reader goes away after a first token.
         handles = [await rt.submit(GenerationRequest(chat(q), GREEDY)) for q in QUESTIONS]
         results: dict[int, tuple[list[int], list, object]] = {}
 
         async def read(i: int) -> None:
-            if i in (2, 5):
+            if i in (CANCELLED, DISCONNECTED):
                 async for event in handles[i]:
                     if isinstance(event, TextDelta):
                         break
-                if i == 2:
+                if i == CANCELLED:
                     await handles[i].cancel()
                 else:
                     await handles[i].aclose()
@@ -122,10 +122,11 @@ async def test_ranks_give_one_process_greedy_tokens_through_cancel_and_disconnec
         async with trio.open_nursery() as nursery:
             for i in range(len(handles)):
                 nursery.start_soon(read, i)
-        assert isinstance(results[2][2], Cancelled) and results[2][2].reason == "requested"
-        assert isinstance(results[5][2], Cancelled) and results[5][2].reason == "consumer_closed"
+        cancelled, disconnected = results[CANCELLED][2], results[DISCONNECTED][2]
+        assert isinstance(cancelled, Cancelled) and cancelled.reason == "requested"
+        assert isinstance(disconnected, Cancelled) and disconnected.reason == "consumer_closed"
         for i, question in enumerate(QUESTIONS):
-            if i not in (2, 5):
+            if i not in (CANCELLED, DISCONNECTED):
                 tokens, logprobs, outcome = results[i]
                 assert isinstance(outcome, Completed), outcome
                 same_or_near_tie(tokens, logprobs, one_process[question])
