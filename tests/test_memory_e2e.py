@@ -1,5 +1,5 @@
 """The memory budget on the real default model, over HTTP: a burst beyond a small budget waits
-and completes, a request that can never fit gets 400, and (slow) resident memory after 256
+and completes, a request that can never fit gets 400, and (slow) resident memory after 128
 clients stays within 1.3x of what the budget counts."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ MiB = 1 << 20
 # The default model on CPU: 513 MiB of float32 weights and 135 MiB of headroom at 32 rows
 # (8 at 141 MB too: a prefill group's), so these leave a KV pool of about 70 and 200 MiB.
 SMALL_LIMIT = "720MiB"
-RSS_LIMIT = "850MiB"
+RSS_LIMIT = "780MiB"
+# Their ~7,000 tokens (56 each) overfill that pool of ~4,500: the prompt cache fills it.
+RSS_CLIENTS = 128
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def test_a_request_that_can_never_fit_gets_400_naming_max_tokens(server):
 
 
 @pytest.mark.slow
-async def test_resident_memory_after_256_clients_stays_within_what_the_budget_counts(tmp_path):
+async def test_resident_memory_after_128_clients_stays_within_what_the_budget_counts(tmp_path):
     port = free_loopback_port()
     argv = [
         *(sys.executable, "-m", "mlx_trio.api.cli", "serve", "--device", "cpu"),
@@ -114,8 +116,8 @@ async def test_resident_memory_after_256_clients_stays_within_what_the_budget_co
     ]
     async with open_server("mlx-trio", argv, port, Path(tmp_path) / "serve.log") as running:
         ready_rss = resident_bytes(running.pid)
-        result = await run_load(running.url, clients=256, max_tokens=16)
-        assert result.num_ok == 256, result.errors
+        result = await run_load(running.url, clients=RSS_CLIENTS, max_tokens=16)
+        assert result.num_ok == RSS_CLIENTS, result.errors
         after_rss = resident_bytes(running.pid)
         async with httpx.AsyncClient(base_url=running.url) as http:
             after = (await http.get("/v1/stats")).json()
