@@ -41,6 +41,16 @@ def client(server):
         yield http
 
 
+# For a costly test whose point is not the transport: it runs on one of the module's two
+# servers (the other's run would show nothing new and cost as much).
+ON_ENGINE_THREAD = pytest.mark.parametrize(
+    "default_model_server", [False], indirect=True, ids=["engine thread"]
+)
+ON_ENGINE_PROCESS = pytest.mark.parametrize(
+    "default_model_server", [True], indirect=True, ids=["engine process"]
+)
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["engine thread", "engine process"])
 def default_model_server(request: pytest.FixtureRequest):
     """The real server on the embedded default model, healthy, over the engine thread and

@@ -14,6 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.conftest import ON_ENGINE_PROCESS, ON_ENGINE_THREAD
 from tests.server_thread import model_id
 
 pytestmark = pytest.mark.e2e
@@ -256,6 +257,7 @@ def parse(server, schema: type[BaseModel], prompt: str, **sampling: object):
     return reply.choices[0]
 
 
+@ON_ENGINE_THREAD
 @pytest.mark.parametrize(("schema", "prompt"), CASES, ids=[c[0].__name__ for c in CASES])
 def test_parse_validates_against_the_pydantic_model_greedy(default_model_server, schema, prompt):
     choice = parse(default_model_server, schema, prompt, temperature=0)
@@ -263,6 +265,7 @@ def test_parse_validates_against_the_pydantic_model_greedy(default_model_server,
     assert isinstance(choice.message.parsed, schema)
 
 
+@ON_ENGINE_PROCESS
 def test_twenty_schemas_asked_together_each_validate(default_model_server):
     def sampled(case: tuple[type[BaseModel], str]) -> tuple[str | None, object]:
         choice = parse(default_model_server, *case, temperature=0.7, seed=11)
