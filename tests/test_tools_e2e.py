@@ -13,6 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.conftest import ON_ENGINE_PROCESS, ON_ENGINE_THREAD
 from tests.server_thread import model_id
 
 pytestmark = pytest.mark.e2e
@@ -67,8 +68,19 @@ def check_call(name: str, arguments: str) -> BaseModel:
     return ARGUMENTS[name].model_validate_json(arguments)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_required_call_validates_against_its_tool(default_model_server, temperature):
+# Greedy on one transport and sampled on the other: the call's grammar, not how the engine
+# is reached, is what each shows.
+@ON_ENGINE_THREAD
+def test_a_greedy_required_call_validates_against_its_tool(default_model_server):
+    check_required_call(default_model_server, temperature=0.0)
+
+
+@ON_ENGINE_PROCESS
+def test_a_sampled_required_call_validates_against_its_tool(default_model_server):
+    check_required_call(default_model_server, temperature=0.8)
+
+
+def check_required_call(default_model_server, temperature: float) -> None:
     reply = sdk(default_model_server).chat.completions.create(
         model=model_id(default_model_server),
         messages=QUESTION,
@@ -115,6 +127,7 @@ def test_a_streamed_required_call_arrives_as_delta_tool_calls(default_model_serv
         check_call(call["name"], call["arguments"])
 
 
+@ON_ENGINE_PROCESS
 def test_a_named_function_is_the_one_called(default_model_server):
     reply = sdk(default_model_server).chat.completions.create(
         model=model_id(default_model_server),
@@ -129,6 +142,7 @@ def test_a_named_function_is_the_one_called(default_model_server):
     check_call("book_table", calls[0].function.arguments)
 
 
+@ON_ENGINE_THREAD
 def test_a_conversation_with_a_tool_result_continues(default_model_server):
     client, model = sdk(default_model_server), model_id(default_model_server)
     asked = client.chat.completions.create(
