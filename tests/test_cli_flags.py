@@ -344,3 +344,10 @@ def test_serve_flags_land_in_the_engine_and_runtime_options():
     )
     assert options.runtime == RuntimeConfig(max_batch=4)
     assert options.port == 0
+
+
+def test_served_names_and_origins_are_each_kept_once_in_order():
+    argv = "serve --served-model-name b a b --allowed-origins http://x.example"
+    http = serve_options(build_parser().parse_args(argv.split())).http
+    assert http.served_model_names == ("b", "a")
+    assert http.allowed_origins == ("http://x.example",)
