@@ -26,12 +26,11 @@ logger = logging.getLogger(__name__)
 # The event loop's CPU time per engine call (fan-out, consumers waking, HTTP streaming)
 # may add at most this share to the call's steps; it is measured as the calls run.
 LOOP_SHARE = 0.03
-# Bounds how long a row's tokens wait to be sent: 16 steps are 40-60 ms at one row on an H200,
-# 0.3 s at 256 rows.
+# Bounds how long a row's tokens wait to be sent (what 16 steps take: design/024).
 MAX_STEPS_PER_CALL = 16
 # Batches of at most this many rows get their tokens as they are sampled (one step a call,
-# the engine running ahead): the loop's work per call is then 0.4-0.6 ms on a 2-core machine,
-# a fraction of a step even on an H200.
+# the engine running ahead): the loop's work per call is then a fraction of a step even on an
+# H200 (design/024).
 SMALL_BATCH = 8
 RECOVER_AFTER_CALLS = 8
 

@@ -320,8 +320,8 @@ def freeze_startup_heap() -> int:
     """Collect garbage once, then move every object alive now out of the garbage collector's
     reach (``gc.freeze``); returns how many. Call it once the model is loaded and the runtime
     started: those objects live as long as the process, and a full collection walks them all
-    while holding the GIL, so every stream waits (serving 192 requests of the default model on
-    a 2-core machine, one full collection took 87 ms; with the startup heap frozen, 12 ms).
+    while holding the GIL, so every stream waits (several times longer than with the startup
+    heap frozen: design/024).
     Objects freed by reference counting still are; only a reference cycle among the frozen
     ones would never be collected. vLLM's server does the same after its warm-up."""
     start = time.perf_counter()

@@ -29,7 +29,7 @@ from .threads import ThreadChooser, shape
 
 SERIAL_ROW = 0
 # While rows come and go without the engine ever going idle, free pages are given back this
-# often (a trim took 26 ms on the CPU with 1.3 GB resident: 0.3% of the engine's time).
+# often (a trim's cost is a fraction of a percent of the engine's time: design/024).
 TRIM_EVERY_S = 10.0
 
 

@@ -112,9 +112,7 @@ def headroom_bytes(
     or a decode step of ``max_batch`` rows: the same per token, plus the logits,
     log-probabilities and the sampler's copies, four float32 vectors of the vocabulary each.
     A model whose arguments do not give these sizes gets a quarter of its weights, at least
-    256 MiB. Measured on the default model on CPU (design/015): prefill chunks of 8 rows over
-    256 and 512 tokens of context 106 and 127 MB (estimated 104 and 141), decode of 32 rows
-    at most 27 MB (estimated 26)."""
+    256 MiB. The estimates were checked against the default model on CPU (design/015, 024)."""
     if model.hidden is None or model.intermediate is None or model.vocab is None:
         return max(256 << 20, model.weights // 4)
     per_token = (6 * model.hidden + 3 * model.intermediate) * model.activation_bytes
@@ -221,9 +219,8 @@ def device_memory_bytes(on_gpu: bool) -> int:
 def trim_allocator() -> None:
     """Give the C allocator's free pages back to the system (glibc's ``malloc_trim``; nothing
     elsewhere). MLX's CPU arrays come from ``malloc``: as KV buffers and activations of many
-    sizes come and go, glibc's heap keeps the freed pages between live blocks. Measured on the
-    default model on CPU (design/015): resident memory 1,283 MB after 64 requests with nothing
-    cached, 807 MB after a trim that took 26 ms."""
+    sizes come and go, glibc's heap keeps the freed pages between live blocks: a trim gave back
+    over a third of resident memory on the default model on CPU (design/015, 024)."""
     if _libc is not None:
         _libc.malloc_trim(0)
 

@@ -130,7 +130,7 @@ class PromptCache:
         if size > limit:
             return
         # A batch row's cache is a lazy slice of the whole batch's KV; left lazy it would keep
-        # that whole buffer alive (measured: ~8x what the budget counts). Evaluate it now.
+        # that whole buffer alive, many times what the budget counts (design/024). Evaluate it.
         mx.eval([c.state for c in cache])
         self._lru.insert_cache(self._partition(salt), list(tokens), cache)
         self._trim(limit)

@@ -72,13 +72,8 @@ class TokenBudget:
         return max(MIN_CHUNK, min(self.max_chunk, share - share % granule))
 
 
-# Chosen by measurement (design/017): on 2 CPU cores, 8 prompts of ~1,000 tokens reached their
-# first tokens 2.4x sooner (p50) and finished 1.6x sooner with 1,024 / 256 than with the batch's
-# earlier fixed 8 x 256 (2,048 tokens a step), and 4 of them beside 8 decoding rows left those
-# rows' longest gap at 2.3 s instead of 9.0 s. On the H200 (the 1B shape, bf16, in-process), 64
-# prompts of 2,000 tokens, 64 new each: TTFT p50 / p99 23.7 / 45.6 s and 88 tok/s with the fixed
-# 8 x 256; 3.7 / 4.4 s and 703 tok/s with 32,768 / 8,192 / 2,048 (16,384 / 4,096: 10.3 / 14.3 s);
-# 64 short streams beside 16 such prompts kept an inter-token gap p99 of 2.8x their p50.
+# Chosen by measurement against the batch's earlier fixed 8 prompts x 256 tokens: long prompts
+# reach their first tokens sooner and decoding rows beside them wait less (design/024, 017).
 DEVICE_BUDGETS = {
     "cpu": TokenBudget(max_preparation_tokens=1024, max_iteration_tokens=256, max_chunk=256),
     "gpu": TokenBudget(max_preparation_tokens=32768, max_iteration_tokens=8192, max_chunk=2048),
