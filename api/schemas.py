@@ -170,6 +170,7 @@ class _Request(_Sampling):
 
     model_config = ConfigDict(extra="allow")
     unsupported: ClassVar[frozenset[str]] = frozenset()
+    no_effect: ClassVar[frozenset[str]] = NO_EFFECT_FIELDS
 
     def check_fields(self) -> None:
         """Raise ``InvalidRequestError`` naming the first OpenAI field sent that this server
@@ -182,7 +183,7 @@ class _Request(_Sampling):
                         param=name,
                         code="unsupported",
                     )
-            elif name not in NO_EFFECT_FIELDS and _first_time(name):
+            elif name not in self.no_effect and _first_time(name):
                 shown = name if len(name) <= MAX_LOGGED_NAME else name[:MAX_LOGGED_NAME] + "..."
                 logger.info("ignoring the request field %r: OpenAI does not define it", shown)
 
@@ -366,14 +367,23 @@ _BODIES: tuple[type[BaseModel], ...] = (
     NamedToolChoice,
     FunctionName,
 )
-_FIELD_NAMES = frozenset(name for body in _BODIES for name in body.model_fields)
 
 
-def error_param(loc: tuple[int | str, ...]) -> str | None:
+def fields_of(*bodies: type[BaseModel]) -> frozenset[str]:
+    """The field names of ``bodies``: what :func:`error_param` keeps of an error's location."""
+    return frozenset(name for body in bodies for name in body.model_fields)
+
+
+_FIELD_NAMES = fields_of(*_BODIES)
+
+
+def error_param(loc: tuple[int | str, ...], fields: frozenset[str] | None = None) -> str | None:
     """A pydantic error location as OpenAI names a parameter: ``("messages", 0, "content",
     "str")`` is ``messages.[0].content``. Pydantic's names for the members of a union
-    (``str``, ``list[str]``) and dict keys are left out."""
-    return format_param([part for part in loc if isinstance(part, int) or part in _FIELD_NAMES])
+    (``str``, ``list[str]``) and dict keys are left out: only ``fields`` are kept (another
+    API's bodies pass theirs; None: the OpenAI chat and completion bodies')."""
+    kept = _FIELD_NAMES if fields is None else fields
+    return format_param([part for part in loc if isinstance(part, int) or part in kept])
 
 
 def format_param(path: Sequence[int | str]) -> str | None:
