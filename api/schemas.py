@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 # OpenAI's fields that change what is generated and that this server does not implement yet.
 UNSUPPORTED_CHAT_FIELDS = frozenset(
     {
@@ -48,7 +49,6 @@ UNSUPPORTED_CHAT_FIELDS = frozenset(
         "audio",
         "prediction",
         "web_search_options",
-        "reasoning_effort",
         "verbosity",
     }
 )
@@ -188,6 +188,12 @@ class _Request(_Sampling):
                 logger.info("ignoring the request field %r: OpenAI does not define it", shown)
 
 
+def effort_kwargs(effort: ReasoningEffort | None) -> dict[str, Any]:
+    """A reasoning effort asked for, as the chat template variable that templates which take
+    one read (gpt-oss's ``reasoning_effort``); a template without it ignores it."""
+    return {} if effort is None else {"reasoning_effort": effort}
+
+
 def _first_time(name: str) -> bool:
     """Whether ``name`` is an unknown field not seen (and logged) before."""
     if name in _logged_unknown or len(_logged_unknown) >= MAX_LOGGED_FIELDS:
@@ -216,6 +222,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
     def check_fields(self) -> None:
         super().check_fields()
@@ -256,7 +263,7 @@ class ChatCompletionRequest(_Request):
         return Chat(
             tuple(m.chat_message() for m in self.messages),
             tools,
-            self.chat_template_kwargs or {},
+            effort_kwargs(self.reasoning_effort) | (self.chat_template_kwargs or {}),
         )
 
     @functools.cached_property
@@ -370,8 +377,10 @@ _BODIES: tuple[type[BaseModel], ...] = (
 
 
 def fields_of(*bodies: type[BaseModel]) -> frozenset[str]:
-    """The field names of ``bodies``: what :func:`error_param` keeps of an error's location."""
-    return frozenset(name for body in bodies for name in body.model_fields)
+    """The field names (as sent: by alias) of ``bodies``: what :func:`error_param` keeps of an
+    error's location."""
+    fields = [(name, f) for body in bodies for name, f in body.model_fields.items()]
+    return frozenset(f.alias or name for name, f in fields)
 
 
 _FIELD_NAMES = fields_of(*_BODIES)
