@@ -22,8 +22,10 @@ from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens, token_text
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.responses_schemas import ResponsesRequest
+from mlx_trio.api.responses_store import ResponseStore, stored
 from mlx_trio.api.schemas import ChatCompletionRequest
 from mlx_trio.api.server import ServeOptions
+from mlx_trio.engine.prompt import ChatMessage
 from mlx_trio.engine.reply import ReplySyntax
 from tests.server_thread import ServerThread, wait_for
 
@@ -369,3 +371,17 @@ def test_responses_are_counted_under_their_own_endpoint(sdk, client):
     sdk.responses.create(model=MODEL, input="count me", max_output_tokens=2)
     metrics = client.get("/metrics").text
     assert 'mlx_trio_requests_total{endpoint="responses",outcome="completed"}' in metrics
+
+
+def test_the_store_keeps_the_most_recent_within_its_count_and_bytes():
+    store = ResponseStore(max_count=2, max_bytes=10_000)
+    turn = (ChatMessage("user", "x" * 1000),)
+    for name in ("a", "b", "c"):
+        store.put(name, stored(None, turn, {"id": name}))
+    assert (store.get("a", None), len(store)) == (None, 2)  # the oldest went first
+    assert store.get("c", 1) is None  # another key's
+    store.put("big", stored(None, (ChatMessage("user", "x" * 8000),), {}))
+    assert [store.get(n, None) is not None for n in ("b", "c", "big")] == [False, True, True]
+    assert store.num_bytes <= store.max_bytes
+    store.put("huge", stored(None, (ChatMessage("user", "x" * 20_000),), {}))
+    assert store.get("huge", None) is None  # over the bound by itself: not kept
