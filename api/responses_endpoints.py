@@ -50,8 +50,7 @@ class ResponsesApi:
         body = parse(ResponsesRequest, data, RESPONSES_FIELDS)
         owner = key_index(request)
         history = self._history(body, owner)
-        turns = self._checked(body, lambda: (*history, *body.messages()))
-        chat = self._checked(body, lambda: body.chat(turns))
+        turns, chat = self._checked(body, lambda: body.chat_turns(history))
         submitted = await submit(self.state, request, body, lambda: [chat], id_prefix="resp_")
         rt, handle = submitted.runtime, submitted.handles[0]
         exchange = Exchange(

@@ -11,7 +11,7 @@ What is implemented, accepted without effect, or refused: design/025-responses-a
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag
@@ -262,6 +262,13 @@ class ResponsesRequest(_Request):
         if isinstance(self.input, str):
             return [ChatMessage("user", self.input)]
         return input_messages(self.input)
+
+    def chat_turns(self, history: Sequence[ChatMessage]) -> tuple[tuple[ChatMessage, ...], Chat]:
+        """The turns a response to this body answers (``history``, a previous response's
+        turns, then ``input``'s; what a follow-up continues from), and the chat to generate
+        from."""
+        turns = (*history, *self.messages())
+        return turns, self.chat(turns)
 
     def chat(self, turns: Iterable[ChatMessage]) -> Chat:
         """The chat to generate from: ``instructions``, then ``turns`` (a previous response's,

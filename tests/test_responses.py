@@ -348,6 +348,19 @@ def test_a_disconnect_mid_stream_frees_the_row(client):
     wait_for(lambda: stats(client)["active_rows"] == 0, 10, "the row freed")
 
 
+def test_a_disconnect_before_the_whole_response_frees_the_row(server, client):
+    before = stats(client)["cancelled"]["consumer_closed"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}/v1/responses",
+            json={"model": MODEL, "input": "patient", "max_output_tokens": 1000},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=httpx.Timeout(30, read=0.2),
+        )
+    wait_for(lambda: stats(client)["cancelled"]["consumer_closed"] == before + 1, 10, "cancel")
+    wait_for(lambda: stats(client)["active_rows"] == 0, 10, "the row freed")
+
+
 def test_a_stream_cancelled_by_id_ends_with_response_failed(client):
     body = {"model": MODEL, "input": "cancel me", "max_output_tokens": 1000, "stream": True}
     events = []
