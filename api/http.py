@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .http_endpoints import Api
 from .http_errors import HttpError
 from .http_state import API_KEY_STATE, AppState
+from .responses_endpoints import ResponsesApi
 
 logger = logging.getLogger("mlx_trio.http")
 
@@ -100,6 +101,7 @@ def log_refusal(method: str, path: str, error: HttpError) -> None:
 
 def build_app(state: AppState) -> ASGIApp:
     api = Api(state)
+    responses = ResponsesApi(state)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HttpError)
@@ -122,6 +124,9 @@ def build_app(state: AppState) -> ASGIApp:
         routes=[
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/responses", responses.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/tokenize", api.tokenize, methods=["POST"]),
             Route("/detokenize", api.detokenize, methods=["POST"]),

@@ -43,17 +43,19 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str,
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse(model: type[M], data: dict[str, Any]) -> M:
+def parse(model: type[M], data: dict[str, Any], fields: frozenset[str] | None = None) -> M:
+    """``data`` as a ``model``; an error names its parameter by ``fields`` (the field names of
+    the API's bodies: ``schemas.fields_of``; None: the OpenAI chat and completion bodies')."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise _validation_error(exc, fields) from None
 
 
-def _validation_error(exc: ValidationError) -> HttpError:
+def _validation_error(exc: ValidationError, fields: frozenset[str] | None) -> HttpError:
     """One error for the deepest parameter that failed (where a value failed each member of a
     union, the member it got furthest into), with what each member expected there."""
-    params = [error_param(e["loc"]) for e in exc.errors()]
+    params = [error_param(e["loc"], fields) for e in exc.errors()]
     param = max(params, key=lambda p: 0 if p is None else p.count(".") + 1)
     messages = [e["msg"] for e, p in zip(exc.errors(), params, strict=True) if p == param]
     text = " or ".join(dict.fromkeys(messages))

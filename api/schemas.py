@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 # OpenAI's fields that change what is generated and that this server does not implement yet.
 UNSUPPORTED_CHAT_FIELDS = frozenset(
     {
@@ -48,7 +49,6 @@ UNSUPPORTED_CHAT_FIELDS = frozenset(
         "audio",
         "prediction",
         "web_search_options",
-        "reasoning_effort",
         "verbosity",
     }
 )
@@ -170,6 +170,7 @@ class _Request(_Sampling):
 
     model_config = ConfigDict(extra="allow")
     unsupported: ClassVar[frozenset[str]] = frozenset()
+    no_effect: ClassVar[frozenset[str]] = NO_EFFECT_FIELDS
 
     def check_fields(self) -> None:
         """Raise ``InvalidRequestError`` naming the first OpenAI field sent that this server
@@ -182,9 +183,15 @@ class _Request(_Sampling):
                         param=name,
                         code="unsupported",
                     )
-            elif name not in NO_EFFECT_FIELDS and _first_time(name):
+            elif name not in self.no_effect and _first_time(name):
                 shown = name if len(name) <= MAX_LOGGED_NAME else name[:MAX_LOGGED_NAME] + "..."
                 logger.info("ignoring the request field %r: OpenAI does not define it", shown)
+
+
+def effort_kwargs(effort: ReasoningEffort | None) -> dict[str, Any]:
+    """A reasoning effort asked for, as the chat template variable that templates which take
+    one read (gpt-oss's ``reasoning_effort``); a template without it ignores it."""
+    return {} if effort is None else {"reasoning_effort": effort}
 
 
 def _first_time(name: str) -> bool:
@@ -215,6 +222,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
     def check_fields(self) -> None:
         super().check_fields()
@@ -255,7 +263,7 @@ class ChatCompletionRequest(_Request):
         return Chat(
             tuple(m.chat_message() for m in self.messages),
             tools,
-            self.chat_template_kwargs or {},
+            effort_kwargs(self.reasoning_effort) | (self.chat_template_kwargs or {}),
         )
 
     @functools.cached_property
@@ -366,14 +374,25 @@ _BODIES: tuple[type[BaseModel], ...] = (
     NamedToolChoice,
     FunctionName,
 )
-_FIELD_NAMES = frozenset(name for body in _BODIES for name in body.model_fields)
 
 
-def error_param(loc: tuple[int | str, ...]) -> str | None:
+def fields_of(*bodies: type[BaseModel]) -> frozenset[str]:
+    """The field names (as sent: by alias) of ``bodies``: what :func:`error_param` keeps of an
+    error's location."""
+    fields = [(name, f) for body in bodies for name, f in body.model_fields.items()]
+    return frozenset(f.alias or name for name, f in fields)
+
+
+_FIELD_NAMES = fields_of(*_BODIES)
+
+
+def error_param(loc: tuple[int | str, ...], fields: frozenset[str] | None = None) -> str | None:
     """A pydantic error location as OpenAI names a parameter: ``("messages", 0, "content",
     "str")`` is ``messages.[0].content``. Pydantic's names for the members of a union
-    (``str``, ``list[str]``) and dict keys are left out."""
-    return format_param([part for part in loc if isinstance(part, int) or part in _FIELD_NAMES])
+    (``str``, ``list[str]``) and dict keys are left out: only ``fields`` are kept (another
+    API's bodies pass theirs; None: the OpenAI chat and completion bodies')."""
+    kept = _FIELD_NAMES if fields is None else fields
+    return format_param([part for part in loc if isinstance(part, int) or part in kept])
 
 
 def format_param(path: Sequence[int | str]) -> str | None:
