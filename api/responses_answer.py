@@ -68,7 +68,10 @@ class ResponseRun:
     turns: tuple[ChatMessage, ...]  # what it answers, without the instructions
     owner: int | None  # the API key's index, for the store
     keep: Callable[[str, StoredResponse], None]
-    output: Output = field(default_factory=Output)
+    output: Output = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.output = Output(self.body.namespace_of)
 
     @property
     def response_id(self) -> str:

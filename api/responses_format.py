@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from ..actors.messages import Usage
 from ..engine.reply import Called, Content, Piece, Reasoning
 from ..engine.tools import ToolCall
-from .responses_schemas import FunctionChoice, FunctionTool, ResponsesRequest
+from .responses_schemas import ResponsesRequest
+from .responses_tools import FunctionChoice, FunctionTool, NamespaceTool
 
 Status = Literal["completed", "incomplete", "failed", "in_progress"]
 ItemStatus = Literal["completed", "incomplete"]
@@ -85,7 +87,9 @@ def response_body(
             else body.choice.mode
         ),
         "tools": [
-            t.model_dump(exclude_none=True) for t in body.tools or () if isinstance(t, FunctionTool)
+            t.model_dump(exclude_none=True)
+            for t in body.tools or ()
+            if isinstance(t, FunctionTool | NamespaceTool)
         ],
         "top_p": body.top_p,
         "truncation": body.truncation,
@@ -95,8 +99,14 @@ def response_body(
     }
 
 
-def call_item(call: ToolCall, status: str = "completed", item_id: str | None = None) -> dict:
-    return {
+def call_item(
+    call: ToolCall,
+    status: str = "completed",
+    item_id: str | None = None,
+    namespace: str | None = None,
+) -> dict:
+    """A ``function_call`` item; ``namespace``: the namespace tool the function came in."""
+    item = {
         "id": item_id or new_id("fc_"),
         "type": "function_call",
         "status": status,
@@ -104,13 +114,16 @@ def call_item(call: ToolCall, status: str = "completed", item_id: str | None = N
         "name": call.name,
         "arguments": call.arguments,
     }
+    return item | {"namespace": namespace} if namespace else item
 
 
 class Output:
     """A reply's output items, built from its pieces (``add``) until it ends (``close``);
     each call returns the stream events for what it built."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespace_of: Mapping[str, str] | None = None) -> None:
+        """``namespace_of``: the namespace of each namespaced function, by name."""
+        self.namespace_of = namespace_of or {}
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item that pieces of its kind extend
         self._texts: list[str] = []  # the open item's text so far
@@ -213,7 +226,7 @@ class Output:
         ]
 
     def _call(self, call: ToolCall) -> list[Event]:
-        item = call_item(call)
+        item = call_item(call, namespace=self.namespace_of.get(call.name))
         self.items.append(item)
         index = len(self.items) - 1
         where = {"item_id": item["id"], "output_index": index}

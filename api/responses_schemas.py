@@ -22,6 +22,14 @@ from ..engine.prompt import Chat, ChatMessage
 from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from ..engine.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choice
 from .chat_parts import Body, JsonSchemaFormat, ResponseFormat
+from .responses_tools import (
+    FunctionChoice,
+    FunctionTool,
+    NamespaceTool,
+    ToolSpec,
+    check_tools,
+    type_of,
+)
 from .schemas import NO_EFFECT_FIELDS, ReasoningEffort, _Request, effort_kwargs, fields_of
 
 # Fields of the Responses API that change nothing here (storage hints, routing, what to echo).
@@ -52,13 +60,8 @@ class OtherPart(Body):
     type: str
 
 
-def _type_of(value: Any) -> Any:
-    """A discriminator's view of an item, a part or a tool: its ``type``."""
-    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-
-
 def _part_kind(value: Any) -> str:
-    return "text_part" if _type_of(value) in TEXT_KINDS else "other"
+    return "text_part" if type_of(value) in TEXT_KINDS else "other"
 
 
 Part = Annotated[
@@ -105,7 +108,7 @@ ITEM_TAGS = {
 
 
 def _item_kind(value: Any) -> str:
-    return ITEM_TAGS.get(_type_of(value) or "message", "other")  # a message may omit its type
+    return ITEM_TAGS.get(type_of(value) or "message", "other")  # a message may omit its type
 
 
 Item = Annotated[
@@ -116,32 +119,6 @@ Item = Annotated[
     | Annotated[OtherItem, Tag("other")],
     Discriminator(_item_kind),
 ]
-
-
-class FunctionTool(Body):
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
-
-
-class OtherTool(Body):
-    """A tool of a type not served (``web_search``, ``custom``, ``local_shell``, ...)."""
-
-    type: str
-    name: str | None = None
-
-
-ToolSpec = Annotated[
-    Annotated[FunctionTool, Tag("function_tool")] | Annotated[OtherTool, Tag("other")],
-    Discriminator(lambda v: "function_tool" if _type_of(v) == "function" else "other"),
-]
-
-
-class FunctionChoice(Body):
-    type: Literal["function"]
-    name: str
 
 
 class TextFormat(Body):
@@ -209,14 +186,7 @@ class ResponsesRequest(_Request):
                 param="truncation",
                 code="unsupported",
             )
-        for i, tool in enumerate(self.tools or ()):
-            if isinstance(tool, OtherTool):
-                raise InvalidRequestError(
-                    f"tools.[{i}]: tools of type {tool.type!r} are not supported by this "
-                    "server; it serves tools of type 'function'",
-                    param=f"tools.[{i}].type",
-                    code="unsupported",
-                )
+        check_tools(self.tools or ())
         check_choice(self.offered_tools, self.choice)
         if self.choice.forces_call and self.text_format is not None:
             raise InvalidRequestError(
@@ -226,12 +196,28 @@ class ResponsesRequest(_Request):
             )
 
     @functools.cached_property
-    def offered_tools(self) -> tuple[Tool, ...]:
-        return tuple(
-            Tool.of(t.name, t.description or "", t.parameters)
-            for t in self.tools or ()
+    def functions(self) -> tuple[FunctionTool, ...]:
+        """The function tools, those of namespaces included."""
+        found: list[FunctionTool] = []
+        for tool in self.tools or ():
+            nested = tool.tools if isinstance(tool, NamespaceTool) else [tool]
+            found += [t for t in nested if isinstance(t, FunctionTool)]
+        return tuple(found)
+
+    @functools.cached_property
+    def namespace_of(self) -> dict[str, str]:
+        """Each namespaced function's namespace, by the function's name."""
+        return {
+            t.name: tool.name
+            for tool in self.tools or ()
+            if isinstance(tool, NamespaceTool)
+            for t in tool.tools
             if isinstance(t, FunctionTool)
-        )
+        }
+
+    @functools.cached_property
+    def offered_tools(self) -> tuple[Tool, ...]:
+        return tuple(Tool.of(t.name, t.description or "", t.parameters) for t in self.functions)
 
     @functools.cached_property
     def choice(self) -> ToolChoice:
@@ -317,6 +303,7 @@ RESPONSES_FIELDS = fields_of(
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
+    NamespaceTool,
     FunctionChoice,
     TextFormat,
     TextOptions,

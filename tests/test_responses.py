@@ -208,6 +208,29 @@ def test_a_call_is_a_function_call_item_streamed_or_not(sdk, client):
     assert final.output[1].arguments == call.arguments
 
 
+def test_a_namespaced_function_is_offered_and_its_call_names_the_namespace(sdk, client):
+    """Codex's default tools: its sub-agent functions in a ``namespace`` tool, and the hosted
+    ``web_search``, which is left out (no web here) rather than refused."""
+    agents = {"type": "namespace", "name": "agents", "description": "d", "tools": [LOOKUP]}
+    hosted = {"type": "web_search", "external_web_access": False}
+    response = sdk.responses.create(
+        model=MODEL, input=CALLER, tools=[agents, hosted], max_output_tokens=6
+    )
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert (call.name, call.namespace) == ("lookup", "agents")
+    assert [t.type for t in response.tools] == ["namespace"]
+    body = {"model": MODEL, "input": CALLER, "tools": [agents], "max_output_tokens": 6}
+    added = [
+        e["item"]
+        for e in raw_events(client, body)
+        if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"
+    ]
+    assert [item["namespace"] for item in added] == ["agents"]
+    plain = sdk.responses.create(model=MODEL, input=CALLER, tools=[LOOKUP], max_output_tokens=6)
+    (plain_call,) = [item for item in plain.output if item.type == "function_call"]
+    assert plain_call.namespace is None
+
+
 def test_a_call_and_its_output_continue_from_the_previous_response(sdk):
     first = sdk.responses.create(model=MODEL, input=CALLER, tools=[LOOKUP], max_output_tokens=6)
     call = first.output[1]
@@ -268,7 +291,12 @@ def test_an_unknown_or_unstored_previous_response_is_a_404_naming_it(sdk):
 @pytest.mark.parametrize(
     ("extra", "param", "code"),
     [
-        ({"tools": [{"type": "web_search"}]}, "tools.[0].type", "unsupported"),
+        ({"tools": [{"type": "file_search"}]}, "tools.[0].type", "unsupported"),
+        (
+            {"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}]},
+            "tools.[0].tools.[0].type",
+            "unsupported",
+        ),
         ({"tools": [LOOKUP, {"type": "custom", "name": "x"}]}, "tools.[1].type", "unsupported"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
