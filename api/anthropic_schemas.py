@@ -28,10 +28,23 @@ from ..engine.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choic
 from .chat_parts import Body
 from .schemas import Number, fields_of, format_param, log_ignored
 
-# Anthropic's fields that change nothing here: accepted, ignored.
-NO_EFFECT_FIELDS = frozenset({"metadata", "service_tier", "context_management"})
+# Anthropic's fields that change nothing here (metadata, routing, caching that is automatic
+# here, context editing that matters only past the context): accepted, ignored.
+NO_EFFECT_FIELDS = frozenset(
+    {
+        "metadata",
+        "service_tier",
+        "context_management",
+        "cache_control",
+        "inference_geo",
+        "speed",
+        "diagnostics",
+        "user_profile_id",
+        "workspace_id",
+    }
+)
 # Anthropic's fields that would change what is generated, not served here: a 400 when set.
-UNSUPPORTED_FIELDS = frozenset({"mcp_servers", "container", "output_format", "output_config"})
+UNSUPPORTED_FIELDS = frozenset({"mcp_servers", "container", "output_format"})
 # What each block type the API defines becomes where it is not served (a 400 naming it).
 KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
@@ -208,6 +221,8 @@ class _Conversation(Body):
                         param=name,
                         code="unsupported",
                     )
+            elif name == "output_config":
+                _check_output_config(value)
             elif name not in NO_EFFECT_FIELDS:
                 log_ignored(name, "Anthropic's Messages API")
         check_choice(self.offered_tools, self.choice)
@@ -260,6 +275,17 @@ class _Conversation(Body):
             {} if self.thinking is None else {"enable_thinking": self.thinking.type == "enabled"}
         )
         return Chat(tuple(turns), self.tools_in_prompt, kwargs)
+
+
+def _check_output_config(value: Any) -> None:
+    """``output_config``: its ``effort`` is accepted without effect; a ``format`` (structured
+    output) is refused until it is served."""
+    if isinstance(value, dict) and value.get("format"):
+        raise InvalidRequestError(
+            "output_config.format is not supported by this server yet",
+            param="output_config.format",
+            code="unsupported",
+        )
 
 
 class CountTokensRequest(_Conversation):
