@@ -114,7 +114,9 @@ def refuse_block(block: OtherBlock, path: list[int | str]) -> InvalidRequestErro
 
 
 class InputMessage(Body):
-    role: Literal["user", "assistant"]
+    """A turn; ``system`` mid-conversation (a beta Claude Code uses) is a system message there."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
     def chat_messages(self, index: int) -> list[ChatMessage]:
@@ -190,10 +192,16 @@ class ToolChoiceSpec(Body):
 
 class ThinkingSpec(Body):
     """``enabled`` or ``disabled``: the template's thinking switch where it has one
-    (``enable_thinking``); ``budget_tokens`` is accepted, not enforced."""
+    (``enable_thinking``); ``adaptive`` (the model decides): the template's default.
+    ``budget_tokens`` is accepted, not enforced."""
 
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: StrictInt | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        if self.type == "adaptive":
+            return {}
+        return {"enable_thinking": self.type == "enabled"}
 
 
 class _Conversation(Body):
@@ -271,9 +279,7 @@ class _Conversation(Body):
         )
         if system:
             turns.insert(0, ChatMessage("system", system))
-        kwargs = (
-            {} if self.thinking is None else {"enable_thinking": self.thinking.type == "enabled"}
-        )
+        kwargs = {} if self.thinking is None else self.thinking.template_kwargs()
         return Chat(tuple(turns), self.tools_in_prompt, kwargs)
 
 

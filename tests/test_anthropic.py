@@ -220,7 +220,8 @@ def test_a_stop_sequence_ends_the_reply_and_is_named(sdk: anthropic.Anthropic):
 
 def test_what_claude_code_sends_is_accepted(server: ServerThread):
     """Beta headers and query, cache_control on blocks and tools, metadata,
-    context_management, a tool_choice, fields Anthropic may add: all accepted."""
+    context_management, adaptive thinking, output_config's effort, a system turn in the
+    messages, fields Anthropic may add: all accepted (what Claude Code 2.1 sends)."""
     body = {
         "model": MODEL,
         "max_tokens": 4,
@@ -229,8 +230,11 @@ def test_what_claude_code_sends_is_accepted(server: ServerThread):
             {
                 "role": "user",
                 "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}],
-            }
+            },
+            {"role": "system", "content": "mid"},  # the mid-conversation-system beta
         ],
+        "thinking": {"type": "adaptive"},
+        "output_config": {"effort": "high"},
         "tools": [LOOKUP | {"cache_control": {"type": "ephemeral"}}],
         "tool_choice": {"type": "auto"},
         "metadata": {"user_id": "someone"},
@@ -245,7 +249,7 @@ def test_what_claude_code_sends_is_accepted(server: ServerThread):
     }
     answer = httpx.post(f"{server.url}/v1/messages?beta=true", json=body, headers=headers)
     assert answer.status_code == 200, answer.text
-    assert answer.json()["content"][0]["text"] == "".join(reply_to("sys\nhi", 4))
+    assert answer.json()["content"][0]["text"] == "".join(reply_to("sys\nhi\nmid", 4))
     assert answer.headers["request-id"] == answer.json()["id"]
 
 
