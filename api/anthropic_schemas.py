@@ -8,7 +8,7 @@ assistant turn's ``tool_use`` blocks its calls (``thinking`` blocks it sent back
 A block or field that would change what is generated and is not served here (``image``,
 server tools, ``mcp_servers``, ...) gets a 400 naming it; ``cache_control`` and the fields that
 change nothing here (``metadata``, ``service_tier``, ``context_management``) are accepted; any
-other field is ignored and logged once. design/024-messages-api.md lists them all.
+other field is ignored and logged once. design/026-messages-api.md lists them all.
 """
 
 from __future__ import annotations
