@@ -95,8 +95,8 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         type=nonempty("--api-key"),
         action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY'; repeat for several keys, each with its own "
-        "prompt-cache entries (default: $MLX_TRIO_API_KEY)",
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY'); repeat for several "
+        "keys, each with its own prompt-cache entries (default: $MLX_TRIO_API_KEY)",
     )
     serve.add_argument(
         "--served-model-name",

@@ -32,6 +32,9 @@ OUTCOME_STATUS = {
 
 
 class HttpError(Exception):
+    """``body`` is OpenAI's; another API words the same error from ``message``, ``code`` and
+    ``refusal`` (the runtime's error it stands for, if any)."""
+
     def __init__(
         self,
         status: int,
@@ -41,9 +44,13 @@ class HttpError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        refusal: Exception | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
+        self.message = message
+        self.code = code
+        self.refusal = refusal
         self.body = fmt.error_body(message, type=type, param=param, code=code)
         self.headers = headers or {}
 
@@ -54,7 +61,7 @@ class HttpError(Exception):
 def refusal_error(exc: Exception) -> HttpError:
     match exc:
         case InvalidRequestError():
-            return HttpError(400, exc.message, param=exc.param, code=exc.code)
+            return HttpError(400, exc.message, param=exc.param, code=exc.code, refusal=exc)
         case OverloadedError():
             retry = max(1, round(exc.retry_after_s))
             return HttpError(
@@ -63,6 +70,7 @@ def refusal_error(exc: Exception) -> HttpError:
                 type="server_error",
                 code="overloaded",
                 headers={"Retry-After": str(retry)},
+                refusal=exc,
             )
         case EngineUnavailableError():
             headers = {}

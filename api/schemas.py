@@ -183,9 +183,15 @@ class _Request(_Sampling):
                         param=name,
                         code="unsupported",
                     )
-            elif name not in self.no_effect and _first_time(name):
-                shown = name if len(name) <= MAX_LOGGED_NAME else name[:MAX_LOGGED_NAME] + "..."
-                logger.info("ignoring the request field %r: OpenAI does not define it", shown)
+            elif name not in self.no_effect:
+                log_ignored(name, "OpenAI")
+
+
+def log_ignored(name: str, api: str) -> None:
+    """Log, once per name, that a request field ``api`` does not define was ignored."""
+    if _first_time(name):
+        shown = name if len(name) <= MAX_LOGGED_NAME else name[:MAX_LOGGED_NAME] + "..."
+        logger.info("ignoring the request field %r: %s does not define it", shown, api)
 
 
 def effort_kwargs(effort: ReasoningEffort | None) -> dict[str, Any]:

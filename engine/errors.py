@@ -85,10 +85,26 @@ def check_at_least(owner: object, low: float, *names: str, above: bool = False) 
 
 
 class ContextLengthExceededError(InvalidRequestError):
-    """The prompt does not fit in the model's context window."""
+    """The prompt does not fit in the model's context window. The counts, where known, are
+    kept for an API that words the error its own way: ``num_prompt_tokens`` (or, where the
+    prompt was refused before it was tokenized, ``num_chars``), the ``max_tokens`` asked for
+    (None: the prompt alone is over) and the ``context_length``."""
 
-    def __init__(self, message: str, *, param: str | None = "prompt") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = "prompt",
+        num_prompt_tokens: int | None = None,
+        num_chars: int | None = None,
+        max_tokens: int | None = None,
+        context_length: int | None = None,
+    ) -> None:
         super().__init__(message, param=param, code="context_length_exceeded")
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_chars = num_chars
+        self.max_tokens = max_tokens
+        self.context_length = context_length
 
 
 class MemoryBudgetExceededError(InvalidRequestError):

@@ -217,7 +217,9 @@ def check_length_before_rendering(prompt: Prompt, context_length: int) -> None:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {context_length} tokens; the request's "
             f"prompt has {num_chars} characters, far more than that many tokens can hold. "
-            "Shorten the prompt."
+            "Shorten the prompt.",
+            num_chars=num_chars,
+            context_length=context_length,
         )
 
 
@@ -227,5 +229,8 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, context_length: int) -> 
         raise ContextLengthExceededError(
             f"This model's maximum context length is {context_length} tokens; the request "
             f"has {num_prompt_tokens} prompt tokens and asks for up to {max_tokens} more "
-            f"({num_prompt_tokens + max_tokens} in all). Shorten the prompt or lower max_tokens."
+            f"({num_prompt_tokens + max_tokens} in all). Shorten the prompt or lower max_tokens.",
+            num_prompt_tokens=num_prompt_tokens,
+            max_tokens=max_tokens,
+            context_length=context_length,
         )
