@@ -136,13 +136,27 @@ class Api:
         }
         if (stats := self.state.statistics()) is not None:
             extra["batch_mode"] = stats.batch_mode  # batch, serial (caches that cannot merge), off
+        # OpenAI's list and model fields, and Anthropic's beside them (``type``, ``display_name``,
+        # ``created_at``, the page's ``has_more`` and ids): each SDK reads its own.
         return JSONResponse(
             {
                 "object": "list",
                 "data": [
-                    {"id": i, "object": "model", "created": 0, "owned_by": "mlx-trio", **extra}
+                    {
+                        "id": i,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "mlx-trio",
+                        "type": "model",
+                        "display_name": i,
+                        "created_at": "1970-01-01T00:00:00Z",
+                        **extra,
+                    }
                     for i in ids
                 ],
+                "has_more": False,
+                "first_id": ids[0] if ids else None,
+                "last_id": ids[-1] if ids else None,
             }
         )
 

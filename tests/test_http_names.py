@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -46,6 +47,16 @@ def test_every_served_name_is_listed_and_answers_under_its_own_name(server: Serv
         )
         assert reply.model == name
         assert reply.choices[0].message.content
+
+
+def test_the_anthropic_sdk_lists_the_served_names_too(server: ServerThread):
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY)
+    page = client.models.list()
+    assert [(m.id, m.display_name, m.type) for m in page.data] == [
+        ("claude-sonnet-4-5", "claude-sonnet-4-5", "model"),
+        ("gpt-5-codex", "gpt-5-codex", "model"),
+    ]
+    assert page.has_more is False and page.last_id == "gpt-5-codex"
 
 
 def test_a_name_not_served_is_a_404_that_lists_the_names(server: ServerThread):
