@@ -9,7 +9,6 @@ stops the actors.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -26,7 +25,6 @@ from ..engine.params import PreparedRequest
 from . import gate
 from .arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
 from .batch_group import BatchGroup
-from .channels import take_buffered
 from .config import RuntimeConfig, RuntimeStatistics
 from .event_queue import EventQueue
 from .messages import (
@@ -73,7 +71,6 @@ class Runtime:
             engine, self.arbiter.inbox, step_timeout_s=config.step_timeout_s
         )
         self._links = SessionLinks(
-            gate=self.gate.inbox,
             arbiter=self.arbiter.inbox,
             batch=self.batch_group.inbox,
             serial=self.serial.inbox,
@@ -154,52 +151,25 @@ class Runtime:
             return 0
         return budget.check_fits(len(prepared.prompt_tokens), prepared.params.max_tokens)
 
-    async def _admit_all(self, projected: list[int]) -> list[trio.MemoryReceiveChannel[gate.Reply]]:
-        """An admission from the gate for each of the ``projected`` KV byte counts, each a
-        channel holding its permit or to receive it once queued; if one is refused, the others
-        are withdrawn."""
-        admissions: list[trio.MemoryReceiveChannel[gate.Reply]] = []
+    async def _admit_all(self, projected: list[int]) -> list[gate.Admission]:
+        """An admission from the gate (a permit, or a place in its queue) for each of the
+        ``projected`` KV byte counts; if one is refused, or if cancelled, the others are
+        released."""
+        admissions: list[gate.Admission] = []
         try:
             for kv_bytes in projected:
-                admissions.append(await self._admit(kv_bytes))
+                admissions.append(await self.gate.admit(kv_bytes))
         except BaseException:
-            with trio.move_on_after(1.0, shield=True):
-                for admission in admissions:
-                    await self._withdraw(admission)
+            for admission in admissions:
+                await admission.release()
             raise
         return admissions
-
-    async def _admit(self, kv_bytes: int) -> trio.MemoryReceiveChannel[gate.Reply]:
-        reply_send, reply_recv = trio.open_memory_channel[gate.Reply](2)
-        try:
-            await self.gate.inbox.send(gate.Admit(reply_send, kv_bytes))
-            first = await reply_recv.receive()
-        except BaseException:
-            with trio.move_on_after(1.0, shield=True):
-                await self._withdraw(reply_recv)
-            raise
-        if isinstance(first, gate.Refused):
-            await reply_recv.aclose()
-            raise first.error
-        # Put a permit granted at once back in the channel, where the session looks for it.
-        await reply_send.send(first)
-        return reply_recv
-
-    async def _withdraw(self, admission: trio.MemoryReceiveChannel[gate.Reply]) -> None:
-        """Give back a permit (granted, or buffered as its requester left), or leave the queue:
-        the gate skips a waiter whose reply channel is closed."""
-        permit = take_buffered(admission, gate.Permit)
-        await admission.aclose()
-        if permit is not None:
-            await self.gate.inbox.send(gate.ReturnPermit(permit))
-        else:
-            await self.gate.inbox.send(gate.Withdraw())
 
     def _start(
         self,
         request: GenerationRequest,
         prepared: PreparedRequest,
-        admission: trio.MemoryReceiveChannel[gate.Reply],
+        admission: gate.Admission,
     ) -> tuple[Session, EventQueue]:
         lane = self.place(request, self.engine.unbatchable_reason(prepared))
         session_id = request.request_id or f"req-{next(self._ids)}"
@@ -233,9 +203,7 @@ class Runtime:
         return self._submitting + sessions
 
     @trio.lowlevel.enable_ki_protection  # Ctrl-C goes to the caller's code, not a session
-    async def _run_session(
-        self, session: Session, admission: trio.MemoryReceiveChannel[gate.Reply]
-    ) -> None:
+    async def _run_session(self, session: Session, admission: gate.Admission) -> None:
         try:
             await session.run(admission)
         finally:
@@ -325,8 +293,7 @@ class Runtime:
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Close admission, let sessions finish within the grace period, cancel the rest."""
         self._closed = True
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.gate.inbox.send(gate.Close())
+        await self.gate.close()
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         with trio.move_on_after(grace):
             await self._no_sessions.wait()

@@ -13,7 +13,6 @@ takes the row out of the batch at the next step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -24,7 +23,6 @@ from ..engine.params import PreparedRequest
 from . import gate
 from .arbiter import ArbiterMessage, acquire
 from .batch_messages import AddRow, BatchMessage
-from .channels import take_buffered
 from .event_queue import EventQueue
 from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox
 from .messages import (
@@ -53,9 +51,8 @@ CLEANUP_GRACE_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class SessionLinks:
-    """The actors a session talks to."""
+    """The actors a session talks to (the gate through its :class:`gate.Admission`)."""
 
-    gate: trio.MemorySendChannel[gate.GateMessage]
     arbiter: trio.MemorySendChannel[ArbiterMessage]
     batch: trio.MemorySendChannel[BatchMessage]
     serial: trio.MemorySendChannel[SerialJob]
@@ -99,15 +96,14 @@ class Session:
             self.cancel_reason = reason
         self._scope.cancel()
 
-    async def run(self, admission: trio.MemoryReceiveChannel[gate.Reply]) -> None:
-        """Run the session to its outcome. Never raises for anything a request can cause."""
-        permit: gate.Permit | None = None
+    async def run(self, admission: gate.Admission) -> None:
+        """Run the session to its outcome, then release its admission (the permit, or its
+        place in the queue). Never raises for anything a request can cause."""
         outcome: Outcome | None = None
         try:
             with self._scope:
                 self.state = "queued"
-                permit = await _wait_for_permit(admission)
-                if permit is None:  # the gate closed while we were queued
+                if await admission.wait() is None:  # the gate closed while we were queued
                     self.cancel("shutdown")
                     await trio.lowlevel.checkpoint()
                 self.state = "preparing"
@@ -117,18 +113,7 @@ class Session:
             outcome = self._failed("internal_error", f"{type(exc).__name__}: {exc}")
         finally:
             self.state = "settling"
-            with (
-                trio.move_on_after(CLEANUP_GRACE_S, shield=True),
-                # a gate that is gone (its runtime torn down) has nothing to take back
-                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
-            ):
-                if permit is None:
-                    permit = take_buffered(admission, gate.Permit)
-                await admission.aclose()
-                if permit is not None:
-                    await self._links.gate.send(gate.ReturnPermit(permit))
-                else:  # it left the queue: the waiters behind it may fit now
-                    await self._links.gate.send(gate.Withdraw())
+            await admission.release()  # shielded, bounded
             if outcome is None:
                 outcome = Cancelled(
                     self._cancel_reason(),
@@ -308,16 +293,3 @@ class Session:
             decode_s=0.0 if first is None or last is None else last - first,
             prefill_s=None if first is None else first - started,
         )
-
-
-async def _wait_for_permit(admission: trio.MemoryReceiveChannel[gate.Reply]) -> gate.Permit | None:
-    """The permit, once the gate grants it; None if the gate refused (it closed)."""
-    async for reply in admission:
-        match reply:
-            case gate.Permit():
-                return reply
-            case gate.Queued():
-                continue
-            case gate.Refused():
-                return None
-    return None

@@ -40,10 +40,10 @@ async def running(actor: gate.AdmissionGate | EngineArbiter) -> AsyncIterator[No
         nursery.cancel_scope.cancel()
 
 
-async def admit(g: gate.AdmissionGate) -> tuple[gate.Reply, trio.MemoryReceiveChannel[gate.Reply]]:
-    send, recv = trio.open_memory_channel[gate.Reply](2)
-    await g.inbox.send(gate.Admit(send))
-    return await recv.receive(), recv
+async def refusal(g: gate.AdmissionGate) -> OverloadedError | RuntimeClosedError:
+    with pytest.raises((OverloadedError, RuntimeClosedError)) as refused:
+        await g.admit()
+    return refused.value
 
 
 # -- the admission gate -------------------------------------------------------------------
@@ -52,17 +52,17 @@ async def admit(g: gate.AdmissionGate) -> tuple[gate.Reply, trio.MemoryReceiveCh
 async def test_the_gate_grants_then_queues_then_refuses_with_retry_after(autojump_clock):
     g = gate.AdmissionGate(max_live=2, max_queued=1, retry_after_s=3.0)
     async with running(g):
-        first, _ = await admit(g)
-        second, _ = await admit(g)
-        queued, waiting = await admit(g)
-        refused, _ = await admit(g)
-        assert isinstance(first, gate.Permit) and isinstance(second, gate.Permit)
-        assert first != second
-        assert queued == gate.Queued(position=1)
-        assert isinstance(refused, gate.Refused) and isinstance(refused.error, OverloadedError)
-        assert (refused.error.retry_after_s, refused.error.live, refused.error.queued) == (3, 2, 1)
-        await g.inbox.send(gate.ReturnPermit(first))
-        assert isinstance(await waiting.receive(), gate.Permit)  # the queue moves up
+        first = await g.admit()
+        second = await g.admit()
+        waiting = await g.admit()
+        refused = await refusal(g)
+        assert first.permit is not None and second.permit is not None
+        assert first.permit != second.permit
+        assert waiting.permit is None  # queued
+        assert isinstance(refused, OverloadedError)
+        assert (refused.retry_after_s, refused.live, refused.queued) == (3, 2, 1)
+        await first.release()
+        assert isinstance(await waiting.wait(), gate.Permit)  # the queue moves up
         await trio.testing.wait_all_tasks_blocked()
         assert g.statistics() == gate.GateStatistics(live=2, queued=0, refused=1, closed=False)
 
@@ -70,28 +70,40 @@ async def test_the_gate_grants_then_queues_then_refuses_with_retry_after(autojum
 async def test_a_waiter_that_left_the_queue_is_skipped(autojump_clock):
     g = gate.AdmissionGate(max_live=1, max_queued=2)
     async with running(g):
-        held, _ = await admit(g)
-        _, gone = await admit(g)
-        _, staying = await admit(g)
-        await gone.aclose()
-        assert isinstance(held, gate.Permit)
-        await g.inbox.send(gate.ReturnPermit(held))
-        assert isinstance(await staying.receive(), gate.Permit)
+        held = await g.admit()
+        gone = await g.admit()
+        staying = await g.admit()
+        await gone.release()
+        assert held.permit is not None
+        await held.release()
+        assert isinstance(await staying.wait(), gate.Permit)
         await trio.testing.wait_all_tasks_blocked()
         assert g.statistics().live == 1 and g.statistics().queued == 0
+
+
+async def test_releasing_gives_back_once_and_a_cancelled_admit_holds_nothing(autojump_clock):
+    g = gate.AdmissionGate(max_live=1, max_queued=1)
+    async with running(g):
+        held = await g.admit()
+        await held.release()
+        await held.release()  # a second release gives nothing back twice
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await g.admit()
+        again = await g.admit()
+        await trio.testing.wait_all_tasks_blocked()
+        assert again.permit is not None
+        assert g.statistics() == gate.GateStatistics(live=1, queued=0, refused=0, closed=False)
 
 
 async def test_closing_refuses_the_queue_and_everyone_after(autojump_clock):
     g = gate.AdmissionGate(max_live=1, max_queued=1)
     async with running(g):
-        await admit(g)
-        _, waiting = await admit(g)
-        await g.inbox.send(gate.Close())
-        refused = await waiting.receive()
-        assert isinstance(refused, gate.Refused)
-        assert isinstance(refused.error, RuntimeClosedError)
-        late, _ = await admit(g)
-        assert isinstance(late, gate.Refused) and isinstance(late.error, RuntimeClosedError)
+        await g.admit()
+        waiting = await g.admit()
+        await g.close()
+        assert await waiting.wait() is None
+        assert isinstance(await refusal(g), RuntimeClosedError)
 
 
 # -- the engine arbiter -------------------------------------------------------------------
