@@ -1,6 +1,7 @@
 """The batch group: continuous batching, one engine step at a time.
 
-An actor with one inbox. Sessions send :class:`AddRow` with their own :class:`SessionInbox`;
+An actor with one inbox. Sessions send :class:`AddRow` with their own :class:`SessionInbox`
+(announced beforehand by :class:`RowsComing`, so that an empty batch can wait for a burst);
 the group asks the arbiter for the engine lease when it has work, admits rows up to
 ``max_batch`` (none while draining), steps the engine, and fans each row's events out to its
 session with ``send_nowait``, so one slow reader never slows the batch: when a session's inbox
@@ -48,6 +49,8 @@ from .batch_messages import (
     BatchStatistics,
     Member,
     ReaderGone,
+    RowsComing,
+    RowsNotComing,
 )
 from .batch_policy import BatchLimit, CallPacer, FaultRecord
 from .channels import offer
@@ -57,8 +60,6 @@ from .throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
-# How often an empty batch looks again for the rows on their way to it.
-ARRIVAL_POLL_S = 0.0005
 # How often rows waiting to join look again whether a restarting engine is back.
 ENGINE_POLL_S = 0.05
 
@@ -74,12 +75,11 @@ class BatchGroup:
         inbox_size: int,
         admission_window_s: float = 0.0,
         steps_per_call: int | None = None,
-        rows_on_their_way: Callable[[], int] = lambda: 0,
     ) -> None:
-        """``rows_on_their_way``: requests that may soon send an :class:`AddRow` (being
-        submitted); an empty batch waits up to ``admission_window_s`` for them."""
+        """``admission_window_s``: how long an empty batch waits for the rows announced to it
+        (:class:`RowsComing`) before its first step."""
         self.engine = engine
-        self._rows_on_their_way = rows_on_their_way
+        self._rows_coming = 0  # announced, and neither added nor withdrawn yet
         self.max_batch = max_batch
         self.limit = BatchLimit(max_batch)
         self.admission_window_s = admission_window_s
@@ -121,6 +121,7 @@ class BatchGroup:
             draining=self._draining,
             batch_limit=self.limit.rows,
             out_of_memory=self.limit.out_of_memory,
+            rows_coming=self._rows_coming,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -168,8 +169,14 @@ class BatchGroup:
 
     async def _handle(self, message: BatchMessage) -> None:
         match message:
+            case RowsComing(count):
+                self._rows_coming += count
+            case RowsNotComing(count):
+                self._rows_coming -= count
             case AddRow():
                 self._pending.append(message)
+                if message.is_announced:
+                    self._rows_coming -= 1
             case Lease():
                 # A fresh lease starts undrained: a DrainRequested that crossed our ReleaseLease in
                 # flight is stale, and the arbiter asks again if a serial waiter is queued.
@@ -247,10 +254,16 @@ class BatchGroup:
         """Before an empty batch's first step: wait, up to the admission window, for the rows
         on their way, so that a burst is prefilled together instead of one row first and the
         rest a whole step later (and in one batch of equal offsets, which steps faster). A
-        lone request does not wait (the window was 1-2% of a 128-token stream on an H200)."""
+        lone request does not wait (the window was 1-2% of a 128-token stream on an H200).
+        Each announced row ends its wait with its :class:`AddRow` or :class:`RowsNotComing`."""
         deadline = trio.current_time() + self.admission_window_s
-        while self._rows_on_their_way() > 0 and trio.current_time() < deadline:
-            await trio.sleep(ARRIVAL_POLL_S)
+        while self._rows_coming > 0 and not self._draining:
+            message: BatchMessage | None = None
+            with trio.move_on_at(deadline):
+                message = await self._recv.receive()
+            if message is None:  # the window closed
+                break
+            await self._handle(message)
         await self._take_waiting_messages()
 
     async def _admit(self) -> None:

@@ -9,6 +9,7 @@ stops the actors.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -25,6 +26,7 @@ from ..engine.params import PreparedRequest
 from . import gate
 from .arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
 from .batch_group import BatchGroup
+from .batch_messages import RowsComing
 from .config import RuntimeConfig, RuntimeStatistics
 from .event_queue import EventQueue
 from .messages import (
@@ -34,7 +36,7 @@ from .messages import (
 from .outcomes import OutcomeTally
 from .port import EnginePort
 from .serial import SerialExecutor
-from .session import Session, SessionLinks
+from .session import Session, SessionLinks, rows_not_coming
 from .unwrap import BodyError
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,6 @@ class Runtime:
             inbox_size=inbox_size,
             admission_window_s=config.admission_window_s,
             steps_per_call=config.steps_per_call,
-            rows_on_their_way=self.rows_on_their_way,
         )
         self.serial = SerialExecutor(
             engine, self.arbiter.inbox, step_timeout_s=config.step_timeout_s
@@ -76,7 +77,6 @@ class Runtime:
             serial=self.serial.inbox,
         )
         self._ids = itertools.count(1)
-        self._submitting = 0  # calls of submit not yet returned
         self._sessions: dict[str, Session] = {}
         self._sessions_nursery: trio.Nursery | None = None
         self._no_sessions = trio.Event()
@@ -121,17 +121,21 @@ class Runtime:
                 f"the engine is {live.condition} ({live.last_cause})",
                 retry_after_s=self.config.retry_after_s if live.condition == "restarting" else None,
             )
-        self._submitting += len(requests)
+        # Until placed, every request may be on its way to the batch; a session on the batch
+        # lane takes its announcement over, the others' are withdrawn here.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.batch_group.inbox.send(RowsComing(len(requests)))
+        started: list[tuple[Session, EventQueue]] = []
         try:
             prepared = [await self._prepare(r) for r in requests]
             projected = [self._projected_kv_bytes(p) for p in prepared]
             admissions = await self._admit_all(projected)
-            return [
-                self._start(request, ready, admission)
-                for request, ready, admission in zip(requests, prepared, admissions, strict=True)
-            ]
+            for request, ready, admission in zip(requests, prepared, admissions, strict=True):
+                started.append(self._start(request, ready, admission))
+            return started
         finally:
-            self._submitting -= len(requests)
+            on_the_batch = sum(session.lane == "batch" for session, _ in started)
+            await rows_not_coming(self.batch_group.inbox, len(requests) - on_the_batch)
 
     async def _prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Tokenize and check; a request without params takes the model's defaults."""
@@ -189,18 +193,13 @@ class Runtime:
             consumer=events,
             idle_timeout_s=self.config.idle_timeout_s,
             deadline=deadline,
+            row_announced=lane == "batch",
         )
         assert self._sessions_nursery is not None, "the runtime is not running"
         self._sessions[session.id] = session
         self._no_sessions = trio.Event() if self._no_sessions.is_set() else self._no_sessions
         self._sessions_nursery.start_soon(self._run_session, session, admission)
         return session, events
-
-    def rows_on_their_way(self) -> int:
-        """Requests that may soon ask the batch for a row: being submitted, or started on the
-        batch lane and not yet there. An empty batch waits for them (``admission_window_s``)."""
-        sessions = sum(s.is_on_its_way_to_the_batch for s in self._sessions.values())
-        return self._submitting + sessions
 
     @trio.lowlevel.enable_ki_protection  # Ctrl-C goes to the caller's code, not a session
     async def _run_session(self, session: Session, admission: gate.Admission) -> None:

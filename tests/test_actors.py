@@ -24,7 +24,7 @@ from mlx_trio.actors.arbiter import (
     acquire,
 )
 from mlx_trio.actors.batch_group import BatchGroup
-from mlx_trio.actors.batch_messages import AddRow
+from mlx_trio.actors.batch_messages import AddRow, RowsComing, RowsNotComing
 from mlx_trio.actors.lanes import SessionInbox
 from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens
 from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
@@ -195,6 +195,42 @@ async def test_the_batch_group_asks_for_the_lease_serves_rows_and_gives_it_back(
         assert results == [(expected(text, 6), "length") for text in ("a", "bb", "ccc")]
         assert await arbiter_recv.receive() == ReleaseLease(Lease(7, "batch"))  # empty: back
         assert group.statistics().rows_submitted == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_empty_batch_waits_for_the_rows_announced_to_it_within_its_window(
+    autojump_clock,
+):
+    engine = ScriptedEngine(Script(step_s=0.01))
+    adds: list[float] = []
+    engine.on_call = lambda name: adds.append(trio.current_time()) if name == "batch_add" else None
+    arbiter_send, arbiter_recv = trio.open_memory_channel[ArbiterMessage](8)
+    group = BatchGroup(
+        engine, arbiter_send, max_batch=4, step_timeout_s=5, inbox_size=16, admission_window_s=0.1
+    )
+    params = SamplingParams(temperature=0, max_tokens=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(group.run)
+        inboxes = [SessionInbox(lambda event: False, 16) for _ in range(3)]
+        await group.inbox.send(RowsComing(3))
+        await group.inbox.send(AddRow(await engine.prepare("a", params), inboxes[0], True))
+        (await arbiter_recv.receive()).grant.send_nowait(Lease(1, "batch"))
+        await trio.sleep(0.02)
+        assert adds == [] and group.statistics().rows_coming == 2  # it waits for the others
+        await group.inbox.send(AddRow(await engine.prepare("b", params), inboxes[1], True))
+        await group.inbox.send(RowsNotComing(1))  # the last went elsewhere: no more waiting
+        assert [await collect_row(inbox) for inbox in inboxes[:2]] == [
+            (expected("a", 2), "length"),
+            (expected("b", 2), "length"),
+        ]
+        assert adds == [0.02]  # both in one call, once the last announced row was accounted for
+        assert await arbiter_recv.receive() == ReleaseLease(Lease(1, "batch"))
+        await group.inbox.send(RowsComing(1))  # announced, and never ended
+        started = trio.current_time()
+        await group.inbox.send(AddRow(await engine.prepare("c", params), inboxes[2]))
+        (await arbiter_recv.receive()).grant.send_nowait(Lease(2, "batch"))
+        assert await collect_row(inboxes[2]) == (expected("c", 2), "length")
+        assert adds[1] - started == pytest.approx(0.1)  # no longer than the window
         nursery.cancel_scope.cancel()
 
 
