@@ -1,10 +1,11 @@
 """The runtime: the actors' nursery, placement, submission, statistics and shutdown.
 
 :func:`open_runtime_actors` starts the admission gate, the engine arbiter, the serial executor
-and the batch group in one nursery, and runs each session as a task in a second nursery inside
-it, so no task outlives the runtime. Leaving the context closes admission, lets in-flight
-sessions finish within ``shutdown_grace_s``, cancels the rest with reason ``shutdown``, then
-stops the actors.
+and the batch group in one nursery; the runtime runs each session as a task in a nursery of its
+own inside it (:meth:`Runtime.open_sessions`), so no task outlives the runtime. Leaving the
+context closes admission, lets in-flight sessions finish within ``shutdown_grace_s``, cancels
+the rest with reason ``shutdown``, gives them and the lanes ``shutdown_settle_s`` to end and go
+idle, then cancels whatever is left and stops the actors.
 """
 
 from __future__ import annotations
@@ -290,18 +291,50 @@ class Runtime:
         )
 
     async def shutdown(self, grace_s: float | None = None) -> None:
-        """Close admission, let sessions finish within the grace period, cancel the rest."""
-        self._closed = True
-        await self.gate.close()
+        """Close admission, let sessions finish within the grace period (the config's if None),
+        cancel the rest, and give them and the lanes ``shutdown_settle_s`` to end and go idle.
+
+        Returns within the grace plus ``shutdown_settle_s``, a session still ending then or not
+        (it was cancelled; its own cleanup is bounded). If cancelled, admission stays closed and
+        the sessions cancelled so far still end."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-        with trio.move_on_after(grace):
+        with trio.move_on_after(grace + self.config.shutdown_settle_s) as bound:
+            self._closed = True
+            await self.gate.close()
+            with trio.move_on_after(grace):
+                await self._no_sessions.wait()
+            for session in list(self._sessions.values()):
+                session.cancel("shutdown")
             await self._no_sessions.wait()
-        for session in list(self._sessions.values()):
-            session.cancel("shutdown")
-        await self._no_sessions.wait()
-        # The lanes drop the departed sessions' rows at their next step, then go idle.
-        with trio.move_on_after(self.config.step_timeout_s):
-            await self.run_when_idle(_nothing)
+            # The lanes drop the departed sessions' rows at their next step, then go idle.
+            with trio.move_on_after(self.config.step_timeout_s):
+                await self.run_when_idle(_nothing)
+        if bound.cancelled_caught:
+            _log_unsettled(len(self._sessions))
+
+    @asynccontextmanager
+    async def open_sessions(self) -> AsyncIterator[None]:
+        """Run the sessions, in a nursery of the runtime's own, around the block; on leaving
+        it, shut down, shielded from the caller's cancellation but no longer than
+        ``shutdown_timeout_s``, then cancel any session still running (its cleanup is bounded)."""
+        async with trio.open_nursery() as sessions:
+            self._sessions_nursery = sessions
+            try:
+                yield
+            finally:
+                with trio.move_on_after(self.config.shutdown_timeout_s, shield=True) as bound:
+                    await self.shutdown()
+                if bound.cancelled_caught:
+                    _log_unsettled(len(self._sessions))
+                self._sessions_nursery = None
+                sessions.cancel_scope.cancel()
+
+
+def _log_unsettled(num_sessions: int) -> None:
+    logger.warning(
+        "shutdown passed its bound with %d session(s) still ending; cancelling what is left",
+        num_sessions,
+    )
 
 
 async def _nothing() -> None:
@@ -316,8 +349,8 @@ async def open_runtime_actors(
 
     The actors run shielded from the caller's cancellation: a cancel scope around the block
     that expires (a timeout, Ctrl-C) cancels the caller's code and the sessions, whose
-    cleanup still has a gate and lanes to give back to; then the shutdown (bounded by its
-    grace) ends them, and the block exits as Trio's cancellation asks."""
+    cleanup still has a gate and lanes to give back to; then the shutdown (bounded by
+    ``shutdown_timeout_s``) ends them, and the block exits as Trio's cancellation asks."""
     runtime = Runtime(engine, config or RuntimeConfig())
     runs = (runtime.gate.run, runtime.arbiter.run, runtime.serial.run, runtime.batch_group.run)
     # Made here, not in the tasks: one cancelled before its task enters it still ends it.
@@ -339,14 +372,9 @@ async def open_runtime_actors(
                 with trio.CancelScope(shield=True):
                     for scope, run in zip(scopes, runs, strict=True):
                         await actors.start(partial(shielded, scope, run))
-                async with trio.open_nursery() as sessions:
-                    runtime._sessions_nursery = sessions
-                    try:
-                        with body.kept():
-                            yield runtime
-                    finally:
-                        with trio.CancelScope(shield=True):
-                            await runtime.shutdown()
+                async with runtime.open_sessions():
+                    with body.kept():
+                        yield runtime
             finally:
                 for scope in scopes:
                     scope.cancel()
