@@ -1,7 +1,6 @@
 """The batch group: continuous batching, one engine step at a time.
 
-An actor with one inbox. Sessions send :class:`AddRow` with their own :class:`SessionInbox`
-(announced beforehand by :class:`RowsComing`, so that an empty batch can wait for a burst);
+An actor with one inbox. Sessions send :class:`AddRow` with their own :class:`SessionInbox`;
 the group asks the arbiter for the engine lease when it has work, admits rows up to
 ``max_batch`` (none while draining), steps the engine, and fans each row's events out to its
 session with ``send_nowait``, so one slow reader never slows the batch: when a session's inbox
@@ -76,8 +75,7 @@ class BatchGroup:
         admission_window_s: float = 0.0,
         steps_per_call: int | None = None,
     ) -> None:
-        """``admission_window_s``: how long an empty batch waits for the rows announced to it
-        (:class:`RowsComing`) before its first step."""
+        """``admission_window_s``: how long an empty batch waits for rows announced to it."""
         self.engine = engine
         self._rows_coming = 0  # announced, and neither added nor withdrawn yet
         self.max_batch = max_batch
@@ -252,18 +250,13 @@ class BatchGroup:
 
     async def _wait_for_arrivals(self) -> None:
         """Before an empty batch's first step: wait, up to the admission window, for the rows
-        on their way, so that a burst is prefilled together instead of one row first and the
-        rest a whole step later (and in one batch of equal offsets, which steps faster). A
-        lone request does not wait (the window was 1-2% of a 128-token stream on an H200).
-        Each announced row ends its wait with its :class:`AddRow` or :class:`RowsNotComing`."""
-        deadline = trio.current_time() + self.admission_window_s
-        while self._rows_coming > 0 and not self._draining:
-            message: BatchMessage | None = None
-            with trio.move_on_at(deadline):
-                message = await self._recv.receive()
-            if message is None:  # the window closed
-                break
-            await self._handle(message)
+        announced to it (:class:`RowsComing`) to come or be withdrawn, so that a burst is
+        prefilled together, in one batch of equal offsets, instead of one row a step ahead of
+        the rest. A lone request does not wait (design/008, change 14). With no member yet,
+        handling a message awaits nothing: only the receive meets the window's end."""
+        with trio.move_on_after(self.admission_window_s):
+            while self._rows_coming > 0 and not self._draining:
+                await self._handle(await self._recv.receive())
         await self._take_waiting_messages()
 
     async def _admit(self) -> None:
