@@ -48,6 +48,8 @@ from .batch_messages import (
     BatchStatistics,
     Member,
     ReaderGone,
+    RowsComing,
+    RowsNotComing,
 )
 from .batch_policy import BatchLimit, CallPacer, FaultRecord
 from .channels import offer
@@ -57,8 +59,6 @@ from .throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
-# How often an empty batch looks again for the rows on their way to it.
-ARRIVAL_POLL_S = 0.0005
 # How often rows waiting to join look again whether a restarting engine is back.
 ENGINE_POLL_S = 0.05
 
@@ -74,12 +74,10 @@ class BatchGroup:
         inbox_size: int,
         admission_window_s: float = 0.0,
         steps_per_call: int | None = None,
-        rows_on_their_way: Callable[[], int] = lambda: 0,
     ) -> None:
-        """``rows_on_their_way``: requests that may soon send an :class:`AddRow` (being
-        submitted); an empty batch waits up to ``admission_window_s`` for them."""
+        """``admission_window_s``: how long an empty batch waits for rows announced to it."""
         self.engine = engine
-        self._rows_on_their_way = rows_on_their_way
+        self._rows_coming = 0  # announced, and neither added nor withdrawn yet
         self.max_batch = max_batch
         self.limit = BatchLimit(max_batch)
         self.admission_window_s = admission_window_s
@@ -121,6 +119,7 @@ class BatchGroup:
             draining=self._draining,
             batch_limit=self.limit.rows,
             out_of_memory=self.limit.out_of_memory,
+            rows_coming=self._rows_coming,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -168,8 +167,14 @@ class BatchGroup:
 
     async def _handle(self, message: BatchMessage) -> None:
         match message:
+            case RowsComing(count):
+                self._rows_coming += count
+            case RowsNotComing(count):
+                self._rows_coming -= count
             case AddRow():
                 self._pending.append(message)
+                if message.is_announced:
+                    self._rows_coming -= 1
             case Lease():
                 # A fresh lease starts undrained: a DrainRequested that crossed our ReleaseLease in
                 # flight is stale, and the arbiter asks again if a serial waiter is queued.
@@ -245,12 +250,13 @@ class BatchGroup:
 
     async def _wait_for_arrivals(self) -> None:
         """Before an empty batch's first step: wait, up to the admission window, for the rows
-        on their way, so that a burst is prefilled together instead of one row first and the
-        rest a whole step later (and in one batch of equal offsets, which steps faster). A
-        lone request does not wait (the window was 1-2% of a 128-token stream on an H200)."""
-        deadline = trio.current_time() + self.admission_window_s
-        while self._rows_on_their_way() > 0 and trio.current_time() < deadline:
-            await trio.sleep(ARRIVAL_POLL_S)
+        announced to it (:class:`RowsComing`) to come or be withdrawn, so that a burst is
+        prefilled together, in one batch of equal offsets, instead of one row a step ahead of
+        the rest. A lone request does not wait (design/008, change 14). With no member yet,
+        handling a message awaits nothing: only the receive meets the window's end."""
+        with trio.move_on_after(self.admission_window_s):
+            while self._rows_coming > 0 and not self._draining:
+                await self._handle(await self._recv.receive())
         await self._take_waiting_messages()
 
     async def _admit(self) -> None:

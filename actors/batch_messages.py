@@ -12,9 +12,28 @@ from .lanes import LaneEvent, SessionInbox
 
 
 @dataclass(frozen=True, slots=True)
+class RowsComing:
+    """``count`` requests may soon add a row (being submitted, or started on the batch lane and
+    not yet there): an empty batch waits, up to its admission window, for them. Each ends its
+    announcement with an announced :class:`AddRow` or with :class:`RowsNotComing`."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowsNotComing:
+    """``count`` announced rows will not come (placed on the serial lane, refused, ended)."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class AddRow:
+    """A session's row; ``is_announced``: it ends one :class:`RowsComing` announcement."""
+
     request: PreparedRequest
     events: SessionInbox
+    is_announced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +46,16 @@ class ReaderGone:
     member: int
 
 
-BatchMessage = AddRow | Lease | DrainRequested | DrainCalledOff | BacklogDelivered | ReaderGone
+BatchMessage = (
+    RowsComing
+    | RowsNotComing
+    | AddRow
+    | Lease
+    | DrainRequested
+    | DrainCalledOff
+    | BacklogDelivered
+    | ReaderGone
+)
 
 
 @dataclass(slots=True)
@@ -62,3 +90,4 @@ class BatchStatistics:
     draining: bool
     batch_limit: int  # rows admitted at most now: max_batch, less after running out of memory
     out_of_memory: int  # engine calls that failed to allocate memory
+    rows_coming: int = 0  # rows announced (RowsComing) and neither added nor withdrawn yet

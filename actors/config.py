@@ -37,7 +37,10 @@ class RuntimeConfig:
     is built from is ``engine/options.py``'s ``EngineOptions``. ``event_buffer_tokens``: the
     tokens (in text deltas) a session buffers for a slow consumer, beside its ``event_buffer``
     events; a delta with more is split. While either bound is reached the session waits for
-    the consumer, as long as ``idle_timeout_s`` allows.
+    the consumer, as long as ``idle_timeout_s`` allows. ``shutdown_grace_s``: how long
+    in-flight requests get to finish once shutdown begins; ``shutdown_settle_s``: how long,
+    after that, the requests it cancelled and the engine's call in flight get to end before the
+    runtime stops its actors regardless (shutdown takes at most the two together).
     """
 
     max_batch: int = 32
@@ -53,14 +56,20 @@ class RuntimeConfig:
     steps_per_call: int | None = None
     max_engine_restarts: int = 5
     event_buffer_tokens: int = 256
+    shutdown_settle_s: float = 10.0
 
     def __post_init__(self) -> None:
         check_at_least(self, 1, "max_batch", "max_live", "event_buffer", "steps_per_call")
         check_at_least(self, 1, "event_buffer_tokens")
         check_at_least(self, 0, "max_queued", "shutdown_grace_s", "max_engine_restarts")
-        check_at_least(self, 0, "retry_after_s", "admission_window_s")
+        check_at_least(self, 0, "retry_after_s", "admission_window_s", "shutdown_settle_s")
         check_at_least(self, 0, "idle_timeout_s", "step_timeout_s", above=True)
         check_at_least(self, 1, "unhealthy_after_faults")
+
+    @property
+    def shutdown_timeout_s(self) -> float:
+        """The longest a shutdown with the configured grace takes."""
+        return self.shutdown_grace_s + self.shutdown_settle_s
 
     @property
     def live_limit(self) -> int:

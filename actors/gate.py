@@ -8,6 +8,11 @@ permit's bytes are released with it. A waiter that leaves (its reply channel clo
 skipped, and stops counting against the queue bound; it says so (:class:`Withdraw`), so that
 the waiters behind it are looked at again.
 
+Requesters do not write these messages themselves: :meth:`AdmissionGate.admit` returns an
+:class:`Admission` (a permit, or a place in the queue that becomes one) or raises the refusal,
+and :meth:`Admission.release` is the one place a permit goes back or a waiter leaves, as the
+arbiter's ``acquire`` is for the engine lease.
+
 The queue is first in, first out: while its head does not fit, nothing behind it is admitted,
 even a request small enough to. That is head-of-line blocking by choice: a large request is
 admitted as soon as the bytes it needs are free, instead of being starved by a stream of small
@@ -17,6 +22,7 @@ fit the pool, so the head always fits once enough permits come back).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -25,16 +31,19 @@ from typing import assert_never
 import trio
 
 from ..engine.errors import OverloadedError, RuntimeClosedError
-from .channels import offer, receiver_left
+from .channels import offer, receiver_left, take_buffered
 from .config import DEFAULT_RETRY_AFTER_S
 
 logger = logging.getLogger(__name__)
 
+# How long giving a permit back may take when cancelled (the gate's inbox has room: at once).
+RELEASE_GRACE_S = 1.0
+
 
 @dataclass(frozen=True, slots=True)
 class Permit:
-    """One live-session slot and the KV bytes it may come to hold; give it back with
-    :class:`ReturnPermit`."""
+    """One live-session slot and the KV bytes it may come to hold; given back by
+    :meth:`Admission.release`."""
 
     number: int
     kv_bytes: int = 0
@@ -118,6 +127,31 @@ class AdmissionGate:
         self._refused = 0
         self._closed = False
 
+    async def admit(self, kv_bytes: int = 0) -> Admission:
+        """Ask for a permit for a request of ``kv_bytes`` projected KV bytes (at most the pool).
+
+        Returns an :class:`Admission` holding the permit, or a place in the queue once the
+        gate is full; raises ``OverloadedError`` (the queue is full too) or
+        ``RuntimeClosedError`` (the gate closed). If cancelled, nothing is left held: a place
+        taken, or a permit granted in that same instant, is given back.
+        """
+        send, recv = trio.open_memory_channel[Reply](2)  # Queued, then Permit or Refused
+        try:
+            await self.inbox.send(Admit(send, kv_bytes))
+            first = await recv.receive()
+        except BaseException:
+            await Admission(self.inbox, recv).release()
+            raise
+        if isinstance(first, Refused):
+            recv.close()
+            raise first.error
+        return Admission(self.inbox, recv, first)
+
+    async def close(self) -> None:
+        """Refuse everything from now on, the queued waiters included (they get no permit)."""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.inbox.send(Close())
+
     def statistics(self) -> GateStatistics:
         self._prune()
         return GateStatistics(
@@ -194,6 +228,66 @@ class AdmissionGate:
         """Forget waiters that left the queue."""
         if any(receiver_left(w.reply) for w in self._waiters):
             self._waiters = deque(w for w in self._waiters if not receiver_left(w.reply))
+
+
+class Admission:
+    """A request's place at the gate: its permit, or its place in the queue until the permit
+    comes (:meth:`wait`). :meth:`release` gives back whichever it holds, once."""
+
+    def __init__(
+        self,
+        gate: trio.MemorySendChannel[GateMessage],
+        replies: trio.MemoryReceiveChannel[Reply],
+        first: Permit | Queued | None = None,
+    ) -> None:
+        self._gate = gate
+        self._replies = replies
+        self._permit = first if isinstance(first, Permit) else None
+        self._released = False
+
+    @property
+    def permit(self) -> Permit | None:
+        """The permit, once granted (None while queued)."""
+        return self._permit
+
+    async def wait(self) -> Permit | None:
+        """The permit, once the gate grants it; None if the gate closed meanwhile (it refuses
+        its queue) or the admission was released. If cancelled, the place in the queue is kept
+        until :meth:`release`."""
+        if self._permit is not None or self._released:
+            return self._permit
+        async for reply in self._replies:
+            match reply:
+                case Permit():
+                    self._permit = reply
+                    return reply
+                case Queued():
+                    continue
+                case Refused():
+                    return None
+                case _:
+                    assert_never(reply)
+        return None
+
+    async def release(self) -> None:
+        """Give the permit back (one granted, or one granted in the instant its holder left),
+        or leave the queue, so that the waiters behind may fit; later calls do nothing.
+
+        Runs shielded, for at most ``RELEASE_GRACE_S``: a cancelled holder still gives back. The
+        reply channel closes without a checkpoint, so that no permit can arrive unseen after
+        it was looked for; a gate that is gone (its runtime torn down) has nothing to take back.
+        """
+        if self._released:
+            return
+        self._released = True
+        permit = self._permit or take_buffered(self._replies, Permit)
+        self._replies.close()
+        message = Withdraw() if permit is None else ReturnPermit(permit)
+        with (
+            trio.move_on_after(RELEASE_GRACE_S, shield=True),
+            contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+        ):
+            await self._gate.send(message)
 
 
 def _closed_error() -> RuntimeClosedError:

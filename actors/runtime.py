@@ -1,10 +1,11 @@
 """The runtime: the actors' nursery, placement, submission, statistics and shutdown.
 
 :func:`open_runtime_actors` starts the admission gate, the engine arbiter, the serial executor
-and the batch group in one nursery, and runs each session as a task in a second nursery inside
-it, so no task outlives the runtime. Leaving the context closes admission, lets in-flight
-sessions finish within ``shutdown_grace_s``, cancels the rest with reason ``shutdown``, then
-stops the actors.
+and the batch group in one nursery; the runtime runs each session as a task in a nursery of its
+own inside it (:meth:`Runtime.open_sessions`), so no task outlives the runtime. Leaving the
+context closes admission, lets in-flight sessions finish within ``shutdown_grace_s``, cancels
+the rest with reason ``shutdown``, gives them and the lanes ``shutdown_settle_s`` to end and go
+idle, then cancels whatever is left and stops the actors.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..engine.params import PreparedRequest
 from . import gate
 from .arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
 from .batch_group import BatchGroup
-from .channels import take_buffered
+from .batch_messages import RowsComing
 from .config import RuntimeConfig, RuntimeStatistics
 from .event_queue import EventQueue
 from .messages import (
@@ -36,7 +37,7 @@ from .messages import (
 from .outcomes import OutcomeTally
 from .port import EnginePort
 from .serial import SerialExecutor
-from .session import Session, SessionLinks
+from .session import Session, SessionLinks, rows_not_coming
 from .unwrap import BodyError
 
 logger = logging.getLogger(__name__)
@@ -67,19 +68,16 @@ class Runtime:
             inbox_size=inbox_size,
             admission_window_s=config.admission_window_s,
             steps_per_call=config.steps_per_call,
-            rows_on_their_way=self.rows_on_their_way,
         )
         self.serial = SerialExecutor(
             engine, self.arbiter.inbox, step_timeout_s=config.step_timeout_s
         )
         self._links = SessionLinks(
-            gate=self.gate.inbox,
             arbiter=self.arbiter.inbox,
             batch=self.batch_group.inbox,
             serial=self.serial.inbox,
         )
         self._ids = itertools.count(1)
-        self._submitting = 0  # calls of submit not yet returned
         self._sessions: dict[str, Session] = {}
         self._sessions_nursery: trio.Nursery | None = None
         self._no_sessions = trio.Event()
@@ -124,17 +122,21 @@ class Runtime:
                 f"the engine is {live.condition} ({live.last_cause})",
                 retry_after_s=self.config.retry_after_s if live.condition == "restarting" else None,
             )
-        self._submitting += len(requests)
+        # Until placed, every request may be on its way to the batch; a session on the batch
+        # lane takes its announcement over, the others' are withdrawn here.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.batch_group.inbox.send(RowsComing(len(requests)))
+        started: list[tuple[Session, EventQueue]] = []
         try:
             prepared = [await self._prepare(r) for r in requests]
             projected = [self._projected_kv_bytes(p) for p in prepared]
             admissions = await self._admit_all(projected)
-            return [
-                self._start(request, ready, admission)
-                for request, ready, admission in zip(requests, prepared, admissions, strict=True)
-            ]
+            for request, ready, admission in zip(requests, prepared, admissions, strict=True):
+                started.append(self._start(request, ready, admission))
+            return started
         finally:
-            self._submitting -= len(requests)
+            on_the_batch = sum(session.lane == "batch" for session, _ in started)
+            await rows_not_coming(self.batch_group.inbox, len(requests) - on_the_batch)
 
     async def _prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Tokenize and check; a request without params takes the model's defaults."""
@@ -154,52 +156,25 @@ class Runtime:
             return 0
         return budget.check_fits(len(prepared.prompt_tokens), prepared.params.max_tokens)
 
-    async def _admit_all(self, projected: list[int]) -> list[trio.MemoryReceiveChannel[gate.Reply]]:
-        """An admission from the gate for each of the ``projected`` KV byte counts, each a
-        channel holding its permit or to receive it once queued; if one is refused, the others
-        are withdrawn."""
-        admissions: list[trio.MemoryReceiveChannel[gate.Reply]] = []
+    async def _admit_all(self, projected: list[int]) -> list[gate.Admission]:
+        """An admission from the gate (a permit, or a place in its queue) for each of the
+        ``projected`` KV byte counts; if one is refused, or if cancelled, the others are
+        released."""
+        admissions: list[gate.Admission] = []
         try:
             for kv_bytes in projected:
-                admissions.append(await self._admit(kv_bytes))
+                admissions.append(await self.gate.admit(kv_bytes))
         except BaseException:
-            with trio.move_on_after(1.0, shield=True):
-                for admission in admissions:
-                    await self._withdraw(admission)
+            for admission in admissions:
+                await admission.release()
             raise
         return admissions
-
-    async def _admit(self, kv_bytes: int) -> trio.MemoryReceiveChannel[gate.Reply]:
-        reply_send, reply_recv = trio.open_memory_channel[gate.Reply](2)
-        try:
-            await self.gate.inbox.send(gate.Admit(reply_send, kv_bytes))
-            first = await reply_recv.receive()
-        except BaseException:
-            with trio.move_on_after(1.0, shield=True):
-                await self._withdraw(reply_recv)
-            raise
-        if isinstance(first, gate.Refused):
-            await reply_recv.aclose()
-            raise first.error
-        # Put a permit granted at once back in the channel, where the session looks for it.
-        await reply_send.send(first)
-        return reply_recv
-
-    async def _withdraw(self, admission: trio.MemoryReceiveChannel[gate.Reply]) -> None:
-        """Give back a permit (granted, or buffered as its requester left), or leave the queue:
-        the gate skips a waiter whose reply channel is closed."""
-        permit = take_buffered(admission, gate.Permit)
-        await admission.aclose()
-        if permit is not None:
-            await self.gate.inbox.send(gate.ReturnPermit(permit))
-        else:
-            await self.gate.inbox.send(gate.Withdraw())
 
     def _start(
         self,
         request: GenerationRequest,
         prepared: PreparedRequest,
-        admission: trio.MemoryReceiveChannel[gate.Reply],
+        admission: gate.Admission,
     ) -> tuple[Session, EventQueue]:
         lane = self.place(request, self.engine.unbatchable_reason(prepared))
         session_id = request.request_id or f"req-{next(self._ids)}"
@@ -219,6 +194,7 @@ class Runtime:
             consumer=events,
             idle_timeout_s=self.config.idle_timeout_s,
             deadline=deadline,
+            row_announced=lane == "batch",
         )
         assert self._sessions_nursery is not None, "the runtime is not running"
         self._sessions[session.id] = session
@@ -226,16 +202,8 @@ class Runtime:
         self._sessions_nursery.start_soon(self._run_session, session, admission)
         return session, events
 
-    def rows_on_their_way(self) -> int:
-        """Requests that may soon ask the batch for a row: being submitted, or started on the
-        batch lane and not yet there. An empty batch waits for them (``admission_window_s``)."""
-        sessions = sum(s.is_on_its_way_to_the_batch for s in self._sessions.values())
-        return self._submitting + sessions
-
     @trio.lowlevel.enable_ki_protection  # Ctrl-C goes to the caller's code, not a session
-    async def _run_session(
-        self, session: Session, admission: trio.MemoryReceiveChannel[gate.Reply]
-    ) -> None:
+    async def _run_session(self, session: Session, admission: gate.Admission) -> None:
         try:
             await session.run(admission)
         finally:
@@ -323,19 +291,50 @@ class Runtime:
         )
 
     async def shutdown(self, grace_s: float | None = None) -> None:
-        """Close admission, let sessions finish within the grace period, cancel the rest."""
-        self._closed = True
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.gate.inbox.send(gate.Close())
+        """Close admission, let sessions finish within the grace period (the config's if None),
+        cancel the rest, and give them and the lanes ``shutdown_settle_s`` to end and go idle.
+
+        Returns within the grace plus ``shutdown_settle_s``, a session still ending then or not
+        (it was cancelled; its own cleanup is bounded). If cancelled, admission stays closed and
+        the sessions cancelled so far still end."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-        with trio.move_on_after(grace):
+        with trio.move_on_after(grace + self.config.shutdown_settle_s) as bound:
+            self._closed = True
+            await self.gate.close()
+            with trio.move_on_after(grace):
+                await self._no_sessions.wait()
+            for session in list(self._sessions.values()):
+                session.cancel("shutdown")
             await self._no_sessions.wait()
-        for session in list(self._sessions.values()):
-            session.cancel("shutdown")
-        await self._no_sessions.wait()
-        # The lanes drop the departed sessions' rows at their next step, then go idle.
-        with trio.move_on_after(self.config.step_timeout_s):
-            await self.run_when_idle(_nothing)
+            # The lanes drop the departed sessions' rows at their next step, then go idle.
+            with trio.move_on_after(self.config.step_timeout_s):
+                await self.run_when_idle(_nothing)
+        if bound.cancelled_caught:
+            _log_unsettled(len(self._sessions))
+
+    @asynccontextmanager
+    async def open_sessions(self) -> AsyncIterator[None]:
+        """Run the sessions, in a nursery of the runtime's own, around the block; on leaving
+        it, shut down, shielded from the caller's cancellation but no longer than
+        ``shutdown_timeout_s``, then cancel any session still running (its cleanup is bounded)."""
+        async with trio.open_nursery() as sessions:
+            self._sessions_nursery = sessions
+            try:
+                yield
+            finally:
+                with trio.move_on_after(self.config.shutdown_timeout_s, shield=True) as bound:
+                    await self.shutdown()
+                if bound.cancelled_caught:
+                    _log_unsettled(len(self._sessions))
+                self._sessions_nursery = None
+                sessions.cancel_scope.cancel()
+
+
+def _log_unsettled(num_sessions: int) -> None:
+    logger.warning(
+        "shutdown passed its bound with %d session(s) still ending; cancelling what is left",
+        num_sessions,
+    )
 
 
 async def _nothing() -> None:
@@ -350,8 +349,8 @@ async def open_runtime_actors(
 
     The actors run shielded from the caller's cancellation: a cancel scope around the block
     that expires (a timeout, Ctrl-C) cancels the caller's code and the sessions, whose
-    cleanup still has a gate and lanes to give back to; then the shutdown (bounded by its
-    grace) ends them, and the block exits as Trio's cancellation asks."""
+    cleanup still has a gate and lanes to give back to; then the shutdown (bounded by
+    ``shutdown_timeout_s``) ends them, and the block exits as Trio's cancellation asks."""
     runtime = Runtime(engine, config or RuntimeConfig())
     runs = (runtime.gate.run, runtime.arbiter.run, runtime.serial.run, runtime.batch_group.run)
     # Made here, not in the tasks: one cancelled before its task enters it still ends it.
@@ -373,14 +372,9 @@ async def open_runtime_actors(
                 with trio.CancelScope(shield=True):
                     for scope, run in zip(scopes, runs, strict=True):
                         await actors.start(partial(shielded, scope, run))
-                async with trio.open_nursery() as sessions:
-                    runtime._sessions_nursery = sessions
-                    try:
-                        with body.kept():
-                            yield runtime
-                    finally:
-                        with trio.CancelScope(shield=True):
-                            await runtime.shutdown()
+                async with runtime.open_sessions():
+                    with body.kept():
+                        yield runtime
             finally:
                 for scope in scopes:
                     scope.cancel()

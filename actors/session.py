@@ -23,8 +23,7 @@ from ..engine.outputs import Delta, GenerationStats, RowFailed, RowOutput, RowPr
 from ..engine.params import PreparedRequest
 from . import gate
 from .arbiter import ArbiterMessage, acquire
-from .batch_messages import AddRow, BatchMessage
-from .channels import take_buffered
+from .batch_messages import AddRow, BatchMessage, RowsNotComing
 from .event_queue import EventQueue
 from .lanes import Abandoned, LaneEvent, LaneFailed, SessionInbox
 from .messages import (
@@ -47,15 +46,13 @@ from .serial import SerialJob
 logger = logging.getLogger(__name__)
 
 LANE_BUFFER = 16
-_BEFORE_ITS_LANE = frozenset(("created", "queued", "preparing"))
 CLEANUP_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class SessionLinks:
-    """The actors a session talks to."""
+    """The actors a session talks to (the gate through its :class:`gate.Admission`)."""
 
-    gate: trio.MemorySendChannel[gate.GateMessage]
     arbiter: trio.MemorySendChannel[ArbiterMessage]
     batch: trio.MemorySendChannel[BatchMessage]
     serial: trio.MemorySendChannel[SerialJob]
@@ -72,7 +69,11 @@ class Session:
         consumer: EventQueue,
         idle_timeout_s: float,
         deadline: float,
+        row_announced: bool = False,
     ) -> None:
+        """``row_announced``: the batch group was told this session's row is coming
+        (:class:`RowsComing`); the session ends that with its :class:`AddRow`, or, if it never
+        sends one, with :class:`RowsNotComing`."""
         self.id = session_id
         self.request = request
         self.lane = lane
@@ -86,7 +87,7 @@ class Session:
         self._scope = trio.CancelScope(deadline=deadline)
         self._created_at = trio.current_time()
         self._running_at: float | None = None
-        self._row_sent = False  # its AddRow went to the batch group
+        self._row_announced = row_announced  # and its AddRow not sent yet
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._num_generated = 0
@@ -99,15 +100,14 @@ class Session:
             self.cancel_reason = reason
         self._scope.cancel()
 
-    async def run(self, admission: trio.MemoryReceiveChannel[gate.Reply]) -> None:
-        """Run the session to its outcome. Never raises for anything a request can cause."""
-        permit: gate.Permit | None = None
+    async def run(self, admission: gate.Admission) -> None:
+        """Run the session to its outcome, then release its admission (the permit, or its
+        place in the queue). Never raises for anything a request can cause."""
         outcome: Outcome | None = None
         try:
             with self._scope:
                 self.state = "queued"
-                permit = await _wait_for_permit(admission)
-                if permit is None:  # the gate closed while we were queued
+                if await admission.wait() is None:  # the gate closed while we were queued
                     self.cancel("shutdown")
                     await trio.lowlevel.checkpoint()
                 self.state = "preparing"
@@ -117,18 +117,9 @@ class Session:
             outcome = self._failed("internal_error", f"{type(exc).__name__}: {exc}")
         finally:
             self.state = "settling"
-            with (
-                trio.move_on_after(CLEANUP_GRACE_S, shield=True),
-                # a gate that is gone (its runtime torn down) has nothing to take back
-                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
-            ):
-                if permit is None:
-                    permit = take_buffered(admission, gate.Permit)
-                await admission.aclose()
-                if permit is not None:
-                    await self._links.gate.send(gate.ReturnPermit(permit))
-                else:  # it left the queue: the waiters behind it may fit now
-                    await self._links.gate.send(gate.Withdraw())
+            if self._row_announced:  # its row will not come: the batch need not wait for it
+                await rows_not_coming(self._links.batch, 1)
+            await admission.release()  # shielded, bounded
             if outcome is None:
                 outcome = Cancelled(
                     self._cancel_reason(),
@@ -137,11 +128,6 @@ class Session:
                     seq=self._consumer.num_sent,
                 )
             await self._publish_outcome(outcome)
-
-    @property
-    def is_on_its_way_to_the_batch(self) -> bool:
-        """Whether the session will add a row to the batch and has not yet asked for it."""
-        return self.lane == "batch" and not self._row_sent and self.state in _BEFORE_ITS_LANE
 
     def _cancel_reason(self) -> CancelReason:
         if self.cancel_reason is not None:
@@ -157,8 +143,8 @@ class Session:
                 lease = await acquire(self._links.arbiter, "serial")
                 self._links.serial.send_nowait(SerialJob(self.request, lease, inbox))
             else:
-                self._row_sent = True
-                await self._links.batch.send(AddRow(self.request, inbox))
+                await self._links.batch.send(AddRow(self.request, inbox, self._row_announced))
+                self._row_announced = False  # the AddRow ended the announcement
             self.state = "running"
             self._running_at = trio.current_time()
             return await self._forward(inbox)
@@ -310,14 +296,13 @@ class Session:
         )
 
 
-async def _wait_for_permit(admission: trio.MemoryReceiveChannel[gate.Reply]) -> gate.Permit | None:
-    """The permit, once the gate grants it; None if the gate refused (it closed)."""
-    async for reply in admission:
-        match reply:
-            case gate.Permit():
-                return reply
-            case gate.Queued():
-                continue
-            case gate.Refused():
-                return None
-    return None
+async def rows_not_coming(batch: trio.MemorySendChannel[BatchMessage], count: int) -> None:
+    """Tell the batch group ``count`` announced rows will not come; shielded, for at most
+    ``CLEANUP_GRACE_S`` (a batch group that is gone waits for none)."""
+    if count == 0:
+        return
+    with (
+        trio.move_on_after(CLEANUP_GRACE_S, shield=True),
+        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+    ):
+        await batch.send(RowsNotComing(count))

@@ -176,7 +176,8 @@ class RuntimeHandle:
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Drain: admission closes, requests in flight get ``grace_s`` (the config's grace if
         None) to finish, the rest end cancelled ``shutdown``. Returns once every session
-        ended; the ``open_runtime`` block then exits as usual."""
+        ended, or at the latest ``shutdown_settle_s`` after the grace; the ``open_runtime``
+        block then exits as usual."""
         await self._runtime.shutdown(grace_s)
 
     @property

@@ -24,7 +24,7 @@ from mlx_trio.actors.arbiter import (
     acquire,
 )
 from mlx_trio.actors.batch_group import BatchGroup
-from mlx_trio.actors.batch_messages import AddRow
+from mlx_trio.actors.batch_messages import AddRow, RowsComing, RowsNotComing
 from mlx_trio.actors.lanes import SessionInbox
 from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens
 from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
@@ -40,10 +40,10 @@ async def running(actor: gate.AdmissionGate | EngineArbiter) -> AsyncIterator[No
         nursery.cancel_scope.cancel()
 
 
-async def admit(g: gate.AdmissionGate) -> tuple[gate.Reply, trio.MemoryReceiveChannel[gate.Reply]]:
-    send, recv = trio.open_memory_channel[gate.Reply](2)
-    await g.inbox.send(gate.Admit(send))
-    return await recv.receive(), recv
+async def refusal(g: gate.AdmissionGate) -> OverloadedError | RuntimeClosedError:
+    with pytest.raises((OverloadedError, RuntimeClosedError)) as refused:
+        await g.admit()
+    return refused.value
 
 
 # -- the admission gate -------------------------------------------------------------------
@@ -52,17 +52,17 @@ async def admit(g: gate.AdmissionGate) -> tuple[gate.Reply, trio.MemoryReceiveCh
 async def test_the_gate_grants_then_queues_then_refuses_with_retry_after(autojump_clock):
     g = gate.AdmissionGate(max_live=2, max_queued=1, retry_after_s=3.0)
     async with running(g):
-        first, _ = await admit(g)
-        second, _ = await admit(g)
-        queued, waiting = await admit(g)
-        refused, _ = await admit(g)
-        assert isinstance(first, gate.Permit) and isinstance(second, gate.Permit)
-        assert first != second
-        assert queued == gate.Queued(position=1)
-        assert isinstance(refused, gate.Refused) and isinstance(refused.error, OverloadedError)
-        assert (refused.error.retry_after_s, refused.error.live, refused.error.queued) == (3, 2, 1)
-        await g.inbox.send(gate.ReturnPermit(first))
-        assert isinstance(await waiting.receive(), gate.Permit)  # the queue moves up
+        first = await g.admit()
+        second = await g.admit()
+        waiting = await g.admit()
+        refused = await refusal(g)
+        assert first.permit is not None and second.permit is not None
+        assert first.permit != second.permit
+        assert waiting.permit is None  # queued
+        assert isinstance(refused, OverloadedError)
+        assert (refused.retry_after_s, refused.live, refused.queued) == (3, 2, 1)
+        await first.release()
+        assert isinstance(await waiting.wait(), gate.Permit)  # the queue moves up
         await trio.testing.wait_all_tasks_blocked()
         assert g.statistics() == gate.GateStatistics(live=2, queued=0, refused=1, closed=False)
 
@@ -70,28 +70,40 @@ async def test_the_gate_grants_then_queues_then_refuses_with_retry_after(autojum
 async def test_a_waiter_that_left_the_queue_is_skipped(autojump_clock):
     g = gate.AdmissionGate(max_live=1, max_queued=2)
     async with running(g):
-        held, _ = await admit(g)
-        _, gone = await admit(g)
-        _, staying = await admit(g)
-        await gone.aclose()
-        assert isinstance(held, gate.Permit)
-        await g.inbox.send(gate.ReturnPermit(held))
-        assert isinstance(await staying.receive(), gate.Permit)
+        held = await g.admit()
+        gone = await g.admit()
+        staying = await g.admit()
+        await gone.release()
+        assert held.permit is not None
+        await held.release()
+        assert isinstance(await staying.wait(), gate.Permit)
         await trio.testing.wait_all_tasks_blocked()
         assert g.statistics().live == 1 and g.statistics().queued == 0
+
+
+async def test_releasing_gives_back_once_and_a_cancelled_admit_holds_nothing(autojump_clock):
+    g = gate.AdmissionGate(max_live=1, max_queued=1)
+    async with running(g):
+        held = await g.admit()
+        await held.release()
+        await held.release()  # a second release gives nothing back twice
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await g.admit()
+        again = await g.admit()
+        await trio.testing.wait_all_tasks_blocked()
+        assert again.permit is not None
+        assert g.statistics() == gate.GateStatistics(live=1, queued=0, refused=0, closed=False)
 
 
 async def test_closing_refuses_the_queue_and_everyone_after(autojump_clock):
     g = gate.AdmissionGate(max_live=1, max_queued=1)
     async with running(g):
-        await admit(g)
-        _, waiting = await admit(g)
-        await g.inbox.send(gate.Close())
-        refused = await waiting.receive()
-        assert isinstance(refused, gate.Refused)
-        assert isinstance(refused.error, RuntimeClosedError)
-        late, _ = await admit(g)
-        assert isinstance(late, gate.Refused) and isinstance(late.error, RuntimeClosedError)
+        await g.admit()
+        waiting = await g.admit()
+        await g.close()
+        assert await waiting.wait() is None
+        assert isinstance(await refusal(g), RuntimeClosedError)
 
 
 # -- the engine arbiter -------------------------------------------------------------------
@@ -183,6 +195,42 @@ async def test_the_batch_group_asks_for_the_lease_serves_rows_and_gives_it_back(
         assert results == [(expected(text, 6), "length") for text in ("a", "bb", "ccc")]
         assert await arbiter_recv.receive() == ReleaseLease(Lease(7, "batch"))  # empty: back
         assert group.statistics().rows_submitted == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_empty_batch_waits_for_the_rows_announced_to_it_within_its_window(
+    autojump_clock,
+):
+    engine = ScriptedEngine(Script(step_s=0.01))
+    adds: list[float] = []
+    engine.on_call = lambda name: adds.append(trio.current_time()) if name == "batch_add" else None
+    arbiter_send, arbiter_recv = trio.open_memory_channel[ArbiterMessage](8)
+    group = BatchGroup(
+        engine, arbiter_send, max_batch=4, step_timeout_s=5, inbox_size=16, admission_window_s=0.1
+    )
+    params = SamplingParams(temperature=0, max_tokens=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(group.run)
+        inboxes = [SessionInbox(lambda event: False, 16) for _ in range(3)]
+        await group.inbox.send(RowsComing(3))
+        await group.inbox.send(AddRow(await engine.prepare("a", params), inboxes[0], True))
+        (await arbiter_recv.receive()).grant.send_nowait(Lease(1, "batch"))
+        await trio.sleep(0.02)
+        assert adds == [] and group.statistics().rows_coming == 2  # it waits for the others
+        await group.inbox.send(AddRow(await engine.prepare("b", params), inboxes[1], True))
+        await group.inbox.send(RowsNotComing(1))  # the last went elsewhere: no more waiting
+        assert [await collect_row(inbox) for inbox in inboxes[:2]] == [
+            (expected("a", 2), "length"),
+            (expected("b", 2), "length"),
+        ]
+        assert adds == [0.02]  # both in one call, once the last announced row was accounted for
+        assert await arbiter_recv.receive() == ReleaseLease(Lease(1, "batch"))
+        await group.inbox.send(RowsComing(1))  # announced, and never ended
+        started = trio.current_time()
+        await group.inbox.send(AddRow(await engine.prepare("c", params), inboxes[2]))
+        (await arbiter_recv.receive()).grant.send_nowait(Lease(2, "batch"))
+        assert await collect_row(inboxes[2]) == (expected("c", 2), "length")
+        assert adds[1] - started == pytest.approx(0.1)  # no longer than the window
         nursery.cancel_scope.cancel()
 
 

@@ -418,6 +418,22 @@ async def test_shutdown_finishes_within_grace_then_cancels_the_rest(autojump_clo
     assert engine.num_rows == 0
 
 
+async def test_shutdown_ends_within_its_grace_and_settle_time_behind_a_hung_step(
+    autojump_clock,
+):
+    engine = ScriptedEngine(Script(hang_batch_steps=frozenset({2})))
+    async with open_runtime(
+        engine=engine, step_timeout_s=600.0, shutdown_grace_s=1.0, shutdown_settle_s=2.0
+    ) as rt:
+        handle = await rt.submit(request("hung", max_tokens=5))
+        while engine.num_batch_steps < 2:
+            await trio.sleep(0.01)
+        closing = trio.current_time()
+    assert trio.current_time() - closing <= 3.0  # not the step's 600 s watchdog
+    outcome = await handle.result()
+    assert isinstance(outcome, Cancelled) and outcome.reason == "shutdown"
+
+
 async def test_run_exclusive_drains_and_run_when_idle_waits_without_draining(autojump_clock):
     async with scripted() as (rt, engine):
         handle = await rt.submit(request("rows", max_tokens=20))
