@@ -2,7 +2,7 @@
 
 The runtime calls these from Trio; an implementation runs the MLX work elsewhere
 (``mlx_trio.actors.engine_port``: ``ThreadedEngine`` on the engine thread, ``ProcessEngine`` in
-a process of its own) or scripts it (``mlx_trio.actors.scripted.ScriptedEngine``, for tests
+a process of its own) or scripts it (``mlx_trio.actors.testing.scripted.ScriptedEngine``, for tests
 and fault injection). The runtime guarantees mutual exclusion: at most one
 ``serial_*``/``batch_*`` call is in flight at a time, and serial and batch calls never
 interleave while rows or a serial run are live in the other. ``prepare`` may run at any time.

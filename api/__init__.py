@@ -1,6 +1,9 @@
 """mlx-trio's public surface: everything a user of the in-process API imports comes from here.
 
-    from . import ChatMessage, GenerationRequest, SamplingParams, open_runtime
+    from . import ChatMessage
+    from . import GenerationRequest
+    from . import SamplingParams
+    from . import open_runtime
 
 Internals (the actors, the engine's modules) may move; these names stay. The HTTP server and
 the CLI are ``mlx-trio serve`` and ``mlx-trio generate``; the fault-injection harness is

@@ -12,8 +12,8 @@ engine:
   prepared, so decoding rows keep their rhythm while a long prompt is prefilled beside them.
 
 Plain arithmetic, no MLX: the engine's batch (``engine/batch_rows.py``) applies it to mlx-lm's
-``BatchGenerator`` before each step, and the scripted engine (``actors/scripted.py``) steps by it,
-so the actors' tests see the same rules.
+``BatchGenerator`` before each step, and the scripted engine (``actors/testing/scripted.py``)
+steps by it, so the actors' tests see the same rules.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import trio
 
 from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions, serve
 

@@ -26,7 +26,7 @@ from mlx_trio.actors.arbiter import (
 from mlx_trio.actors.batch_group import BatchGroup
 from mlx_trio.actors.batch_messages import AddRow, RowsComing, RowsNotComing
 from mlx_trio.actors.lanes import SessionInbox
-from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine, expected_tokens
 from mlx_trio.engine.errors import OverloadedError, RuntimeClosedError
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import SamplingParams

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from mlx_trio.actors.config import RuntimeConfig
-from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens, token_text
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine, expected_tokens, token_text
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.reply import ReplySyntax

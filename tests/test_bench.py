@@ -131,7 +131,7 @@ def test_the_long_context_and_mixed_scenarios() -> None:
 
 
 async def test_a_mixed_run_sends_the_long_prompts_once_every_short_stream_streams() -> None:
-    from mlx_trio.actors.scripted import Script, ScriptedEngine
+    from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
     from mlx_trio.api.bench.worker import run_runtime
     from mlx_trio.api.inprocess import open_runtime
 

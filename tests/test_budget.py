@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from mlx_trio.actors.messages import Completed, GenerationRequest, TextDelta
-from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.params import SamplingParams

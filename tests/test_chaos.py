@@ -17,9 +17,9 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_trio.actors.faulty import FaultyEngine, StepFault
 from mlx_trio.actors.messages import Completed, GenerationRequest
-from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.actors.testing.faulty import FaultyEngine, StepFault
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api import cli
 from mlx_trio.api.chaos import (
     CLIENT_KINDS,
@@ -201,7 +201,7 @@ def restore_logging() -> Iterator[None]:
 
 @pytest.mark.slow
 def test_a_broken_invariant_over_http_exits_1(monkeypatch, capsys, restore_logging):
-    monkeypatch.setattr("mlx_trio.actors.scripted.ScriptedEngine", LeakyEngine)
+    monkeypatch.setattr("mlx_trio.actors.testing.scripted.ScriptedEngine", LeakyEngine)
     argv = ["chaos", "--http", "--seed", "3", "--requests", "40", "--faults", "consumer_close"]
     assert cli.main(argv) == 1
     assert "| quiescent: nothing held | NO |" in capsys.readouterr().out

@@ -27,7 +27,7 @@ INTERNAL = {
     # a missing member of a model package, caught beside it and raised as ModelImportError
     ("engine/model_store.py", "KeyError"),
     # fault injection: the out-of-memory error MLX raises, injected as MLX would raise it
-    ("actors/faulty.py", "MemoryError"),
+    ("actors/testing/faulty.py", "MemoryError"),
 }
 # Python's exceptions that say a caller broke a contract or an invariant, not a user's input.
 PROGRAMMING = {"AssertionError", "NotImplementedError", "StopIteration", "StopAsyncIteration"}

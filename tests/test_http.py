@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from mlx_trio.actors.config import RuntimeConfig
-from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens, token_text
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine, expected_tokens, token_text
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions
 from tests.server_thread import ServerThread, scripted_server

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from mlx_trio.actors.config import RuntimeConfig
-from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions
 from tests.server_thread import ServerThread, scripted_server

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from mlx_trio.actors.config import RuntimeConfig
-from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.prompt import Prompt

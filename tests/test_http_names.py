@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from mlx_trio.actors.config import RuntimeConfig
-from mlx_trio.actors.scripted import token_text
+from mlx_trio.actors.testing.scripted import token_text
 from mlx_trio.api.http_state import HttpSettings
 from tests.server_thread import ServerThread, scripted_server
 

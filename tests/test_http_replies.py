@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from mlx_trio.actors.scripted import ScriptedEngine, expected_tokens, token_text
+from mlx_trio.actors.testing.scripted import ScriptedEngine, expected_tokens, token_text
 from mlx_trio.engine.reply import ReplySyntax
 from tests.server_thread import ServerThread
 

@@ -13,10 +13,10 @@ import sys
 
 import trio
 
-import mlx_trio.actors.arbiter, mlx_trio.actors.batch_group, mlx_trio.actors.faulty
+import mlx_trio.actors.arbiter, mlx_trio.actors.batch_group, mlx_trio.actors.testing.faulty
 import mlx_trio.actors.gate, mlx_trio.actors.runtime, mlx_trio.actors.session
 from mlx_trio.actors.messages import Completed, GenerationRequest
-from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.params import SamplingParams
 
@@ -44,7 +44,7 @@ def test_the_actors_and_a_scripted_run_import_no_mlx():
 SHARED_TYPES = """
 import sys
 
-import mlx_trio.actors.batch_group, mlx_trio.actors.runtime, mlx_trio.actors.scripted
+import mlx_trio.actors.batch_group, mlx_trio.actors.runtime, mlx_trio.actors.testing.scripted
 import mlx_trio.engine.errors, mlx_trio.engine.outputs, mlx_trio.engine.params
 import mlx_trio.engine.prompt, mlx_trio.engine.sampling_defaults, mlx_trio.engine.stops
 

@@ -11,10 +11,15 @@ import pytest
 import trio
 import trio.testing
 
-from mlx_trio.actors.faulty import FaultyEngine, StepFault
 from mlx_trio.actors.messages import Cancelled, Completed, Failed, GenerationRequest
 from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.scripted import BYTES_PER_TOKEN, Script, ScriptedEngine, scripted_budget
+from mlx_trio.actors.testing.faulty import FaultyEngine, StepFault
+from mlx_trio.actors.testing.scripted import (
+    BYTES_PER_TOKEN,
+    Script,
+    ScriptedEngine,
+    scripted_budget,
+)
 from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle, open_runtime
 from mlx_trio.engine.budget import MemoryBudget, MemoryLimit, is_out_of_memory
 from mlx_trio.engine.errors import InvalidRequestError, MemoryBudgetExceededError

@@ -34,7 +34,7 @@ from mlx_trio.actors.messages import (
     TextDelta,
 )
 from mlx_trio.actors.port import EnginePort
-from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle, open_runtime
 from mlx_trio.engine.calls import EngineStarted
 from mlx_trio.engine.core import EngineCore

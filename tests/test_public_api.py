@@ -43,7 +43,7 @@ def test_the_readme_imports_only_from_the_public_surface():
 async def test_open_runtime_sorts_its_keywords_into_the_engines_options_and_the_runtimes():
     """``open_runtime``'s keywords are ``EngineOptions`` and ``RuntimeConfig`` fields; any
     other is a TypeError naming it, raised before a model loads."""
-    from mlx_trio.actors.scripted import ScriptedEngine
+    from mlx_trio.actors.testing.scripted import ScriptedEngine
 
     with pytest.raises(TypeError, match=r"^open_runtime\(\) got unknown keyword arguments: bogus$"):
         async with mlx_trio.api.open_runtime(bogus=1):

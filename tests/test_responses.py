@@ -19,7 +19,7 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import BaseModel
 
 from mlx_trio.actors.config import RuntimeConfig
-from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens, token_text
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine, expected_tokens, token_text
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.responses_schemas import ResponsesRequest
 from mlx_trio.api.responses_store import ResponseStore, stored

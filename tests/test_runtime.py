@@ -24,7 +24,7 @@ from mlx_trio.actors.messages import (
     Progress,
     TextDelta,
 )
-from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine, expected_tokens
 from mlx_trio.api.inprocess import RuntimeHandle, open_runtime
 from mlx_trio.engine.errors import InvalidRequestError, OverloadedError
 from mlx_trio.engine.outputs import RowProgress

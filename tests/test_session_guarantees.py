@@ -20,7 +20,7 @@ from mlx_trio.actors.messages import (
     Progress,
     TextDelta,
 )
-from mlx_trio.actors.scripted import Script, ScriptedEngine, expected_tokens, token_text
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine, expected_tokens, token_text
 from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle, open_runtime
 from mlx_trio.engine.errors import SecondReaderError
 from mlx_trio.engine.params import SamplingParams

@@ -30,7 +30,7 @@ import trio
 from mlx_trio.actors.engine_port.port import CallClock, CorePort, Transport
 from mlx_trio.actors.engine_port.supervisor import RestartPolicy, open_supervised_engine
 from mlx_trio.actors.messages import Completed, Failed, GenerationRequest
-from mlx_trio.actors.scripted import Script, ScriptedEngine
+from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.calls import Call, EngineStarted, EngineState, Reply

@@ -2,7 +2,7 @@
 runtime's invariants.
 
 A :class:`FaultPlan` (reproducible from a seed) says what each request does and which faults
-hit the engine; :func:`run_plan` drives it over a :class:`~mlx_trio.actors.faulty.FaultyEngine`
+hit the engine; :func:`run_plan` drives it over a ``FaultyEngine`` (``actors/testing/faulty.py``)
 through a client: the in-process API (virtual time works), or real HTTP clients against the
 real server (``http=True``, real time), and :func:`check` compares what happened with what the
 plan implies:

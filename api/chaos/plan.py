@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ...actors.config import RuntimeConfig
-from ...actors.faulty import StepFaultKind
+from ...actors.testing.faulty import StepFaultKind
 
 ClientFaultKind = Literal[
     "consumer_stall", "slow_reader", "consumer_close", "disconnect", "cancel", "deadline"

@@ -1,5 +1,5 @@
 """Running a chaos plan: :func:`run_plan` drives a plan's requests through a client over a
-:class:`~mlx_trio.actors.faulty.FaultyEngine`, puts each fault in when it is due (step faults
+``FaultyEngine`` (``actors/testing/faulty.py``), puts each fault in when it is due (step faults
 into the next batch step, row and client faults onto the next request sent, moved on if they
 did not take), and probes the runtime's health after the first hang. :func:`run_scripted` and
 :func:`run_on_model` run a plan on the scripted engine or a real model and check it."""
@@ -19,8 +19,8 @@ import trio
 
 from ...actors.batch_policy import MAX_STEPS_PER_CALL
 from ...actors.config import RuntimeConfig
-from ...actors.faulty import FaultyEngine, RowFault, StepFault
 from ...actors.port import EnginePort
+from ...actors.testing.faulty import FaultyEngine, RowFault, StepFault
 from ...engine.options import Device, EngineOptions
 from .client import Client, open_in_process
 from .http_client import open_over_http
@@ -36,7 +36,7 @@ from .report import ChaosReport
 from .results import HealthProbe, RequestResult, RunResult
 
 if TYPE_CHECKING:
-    from ...actors.scripted import ScriptedEngine
+    from ...actors.testing.scripted import ScriptedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ async def _probe_health(client: Client, config: RuntimeConfig, probes: list[Heal
 
 def scripted_reference(plan: RequestPlan) -> Expected:
     """The tokens and text the scripted engine gives a request with no fault."""
-    from ...actors.scripted import expected_tokens, token_text
+    from ...actors.testing.scripted import expected_tokens, token_text
 
     tokens = expected_tokens(tuple(ord(c) for c in plan.prompt), plan.max_tokens)
     return Expected(tokens, "".join(token_text(t) for t in tokens))
@@ -193,7 +193,7 @@ def scripted_reference(plan: RequestPlan) -> Expected:
 async def run_scripted(plan: FaultPlan, *, step_s: float = 0.01, http: bool = False) -> ChaosReport:
     """Run a plan on the scripted engine (in-process: use a MockClock for speed; over HTTP it
     runs in real time, as sockets need)."""
-    from ...actors.scripted import Script, ScriptedEngine
+    from ...actors.testing.scripted import Script, ScriptedEngine
 
     engine = ScriptedEngine(Script(step_s=step_s))
     async with trio.open_nursery() as restarts:

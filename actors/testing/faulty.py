@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Literal
 
 import trio
 
-from ..engine.budget import MemoryBudget, MemoryUsage
-from ..engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
-from ..engine.params import PreparedRequest, SamplingParams
-from ..engine.prompt import Prompt
-from ..engine.reply import ReplySyntax
-from ..engine.sampling_defaults import SamplingDefaults
-from .port import EngineLiveness, EnginePort
+from ...engine.budget import MemoryBudget, MemoryUsage
+from ...engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
+from ...engine.params import PreparedRequest, SamplingParams
+from ...engine.prompt import Prompt
+from ...engine.reply import ReplySyntax
+from ...engine.sampling_defaults import SamplingDefaults
+from ..port import EngineLiveness, EnginePort
 
 if TYPE_CHECKING:
-    from ..engine.caches import BatchMode
+    from ...engine.caches import BatchMode
 
 logger = logging.getLogger(__name__)
 

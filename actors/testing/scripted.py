@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..engine.budget import MemoryBudget
-from ..engine.errors import EngineUnavailableError, InvalidRequestError
-from ..engine.outputs import (
+from ...engine.budget import MemoryBudget
+from ...engine.errors import EngineUnavailableError, InvalidRequestError
+from ...engine.outputs import (
     Delta,
     FinishReason,
     GenerationStats,
@@ -28,11 +28,11 @@ from ..engine.outputs import (
     RowProgress,
     TokenLogprob,
 )
-from ..engine.params import PreparedRequest, SamplingParams
-from ..engine.prompt import Chat, Prompt, check_fits, check_messages
-from ..engine.reply import ReplySyntax
-from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from .port import ALWAYS_UP, EngineLiveness
+from ...engine.params import PreparedRequest, SamplingParams
+from ...engine.prompt import Chat, Prompt, check_fits, check_messages
+from ...engine.reply import ReplySyntax
+from ...engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ..port import ALWAYS_UP, EngineLiveness
 from .script import (
     BYTES_PER_TOKEN,
     EOS_TOKEN,
@@ -51,7 +51,7 @@ from .script import (
 )
 
 if TYPE_CHECKING:
-    from ..engine.caches import BatchMode
+    from ...engine.caches import BatchMode
 
 __all__ = [
     "BYTES_PER_TOKEN",

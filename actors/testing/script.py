@@ -9,11 +9,11 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..engine.budget import MemoryBudget
-from ..engine.outputs import Delta, RowEvent, RowFailed, RowOutput, RowProgress
-from ..engine.params import PreparedRequest
-from ..engine.schedule import TokenBudget
-from ..engine.stops import StopStringMatcher
+from ...engine.budget import MemoryBudget
+from ...engine.outputs import Delta, RowEvent, RowFailed, RowOutput, RowProgress
+from ...engine.params import PreparedRequest
+from ...engine.schedule import TokenBudget
+from ...engine.stops import StopStringMatcher
 
 VOCAB_SIZE = 1000
 EOS_TOKEN = 0
