@@ -15,7 +15,7 @@ from typing import Literal
 
 from ..engine.outputs import FinishReason, TokenLogprob
 from ..engine.params import SamplingParams
-from ..engine.prompt import Chat, ChatMessage
+from ..engine.vocabulary.prompt import Chat, ChatMessage
 
 CancelReason = Literal[
     "requested", "consumer_closed", "consumer_idle", "deadline", "shutdown", "engine_fault"
@@ -39,12 +39,12 @@ class GenerationRequest:
     ``prompt`` is plain text (a completion), chat messages (the chat template applies) or a
     ``Chat`` (messages with tools and chat template arguments).
     ``params`` None takes the model's sampling defaults (its ``generation_config.json``, then
-    OpenAI's values; see ``mlx_trio.engine.sampling_defaults``). ``reproducible`` asks for the
-    serial lane: the same output as a solo run, bit for bit.
-    ``timeout_s`` is one deadline over queueing, prefill and decode.
-    ``cache_salt``: the prompt cache's partition (vLLM's ``cache_salt``): the request reuses
-    only what requests of the same salt left, so its ``cached_tokens`` tell nothing of others'
-    prompts (None: the partition every unsalted request shares).
+    OpenAI's values; see ``mlx_trio.engine.vocabulary.sampling_defaults``). ``reproducible`` asks
+    for the serial lane: the same output as a solo run, bit for bit. ``timeout_s`` is one deadline
+    over queueing, prefill and decode. ``cache_salt``: the prompt cache's partition (vLLM's
+    ``cache_salt``): the request reuses only what requests of the same salt left, so its
+    ``cached_tokens`` tell nothing of others' prompts (None: the partition every unsalted request
+    shares).
     """
 
     prompt: str | tuple[ChatMessage, ...] | Chat

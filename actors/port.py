@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from ..engine.budget import MemoryBudget, MemoryUsage
 from ..engine.outputs import PromptCacheStatistics, RowEvent
 from ..engine.params import PreparedRequest, SamplingParams
-from ..engine.prompt import Prompt
-from ..engine.reply import ReplySyntax
-from ..engine.sampling_defaults import SamplingDefaults
+from ..engine.vocabulary.prompt import Prompt
+from ..engine.vocabulary.reply import ReplySyntax
+from ..engine.vocabulary.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
-    from ..engine.caches import BatchMode
+    from ..engine.batch.caches import BatchMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,7 @@ class EnginePort(Protocol):
     @property
     def batch_mode(self) -> BatchMode:
         """Whether the model's requests can batch (``batch``) or take the serial lane alone
-        (``serial``: its caches cannot merge into a batch, ``engine/caches.py``)."""
+        (``serial``: its caches cannot merge into a batch, ``engine/batch/caches.py``)."""
         ...
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:

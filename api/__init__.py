@@ -49,10 +49,10 @@ from ..engine.errors import (
 from ..engine.options import EngineOptions
 from ..engine.outputs import FinishReason, TokenLogprob
 from ..engine.params import Grammar, SamplingParams
-from ..engine.prompt import Chat, ChatMessage
-from ..engine.reply import Called, Content, Reasoning, ReplySplitter, ReplySyntax
-from ..engine.sampling_defaults import SamplingDefaults
-from ..engine.tools import Tool, ToolCall, ToolChoice, call_grammar
+from ..engine.vocabulary.prompt import Chat, ChatMessage
+from ..engine.vocabulary.reply import Called, Content, Reasoning, ReplySplitter, ReplySyntax
+from ..engine.vocabulary.sampling_defaults import SamplingDefaults
+from ..engine.vocabulary.tools import Tool, ToolCall, ToolChoice, call_grammar
 from .inprocess import (
     Collected,
     RuntimeHandle,

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 
 from ..actors.messages import Completed, Usage
 from ..engine.errors import ContextLengthExceededError
-from ..engine.tools import ToolCall
+from ..engine.vocabulary.tools import ToolCall
 from .http_errors import HttpError
 from .openai_format import Reply
 

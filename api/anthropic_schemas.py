@@ -22,9 +22,9 @@ from pydantic import ConfigDict, Discriminator, Field, StrictBool, StrictInt, Ta
 
 from ..engine.errors import InvalidRequestError
 from ..engine.params import Grammar, SamplingParams
-from ..engine.prompt import Chat, ChatMessage
-from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from ..engine.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choice
+from ..engine.vocabulary.prompt import Chat, ChatMessage
+from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ..engine.vocabulary.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choice
 from .chat_parts import Body
 from .schemas import Number, fields_of, format_param, log_ignored
 

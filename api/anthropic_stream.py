@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from ..actors.messages import Completed, Progress, TextDelta, Usage
-from ..engine.reply import Called, Content, Piece, Reasoning, ReplySplitter
+from ..engine.vocabulary.reply import Called, Content, Piece, Reasoning, ReplySplitter
 from . import anthropic_format as fmt
 from .http_errors import first_failure, outcome_error
 from .http_exchange import Exchange

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..engine.errors import InvalidRequestError
 from ..engine.params import Grammar
-from ..engine.prompt import ChatMessage
-from ..engine.tools import Tool, ToolCall
+from ..engine.vocabulary.prompt import ChatMessage
+from ..engine.vocabulary.tools import Tool, ToolCall
 
 
 class Body(BaseModel):

@@ -131,8 +131,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from ..engine.hub import pull_hub_model
-    from ..engine.model_store import pull_default_model
+    from ..engine.model.hub import pull_hub_model
+    from ..engine.model.model_store import pull_default_model
 
     if args.model is None:
         path = pull_default_model(force=args.force)

@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 from ..engine.budget import MemoryLimit
 from ..engine.errors import InvalidRequestError, MlxTrioError
-from ..engine.gguf_header import is_gguf
-from ..engine.hub import HubId, parse_hub_id
+from ..engine.model.gguf_header import is_gguf
+from ..engine.model.hub import HubId, parse_hub_id
 from ..engine.params import MAX_SEED, SamplingParams
 
 T = TypeVar("T")

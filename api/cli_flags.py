@@ -8,7 +8,7 @@ import argparse
 
 from ..engine.options import EngineOptions
 from ..engine.params import MAX_STOP_STRINGS, SamplingParams
-from ..engine.sampling_defaults import SamplingDefaults
+from ..engine.vocabulary.sampling_defaults import SamplingDefaults
 from .cli_args import (
     MAX_TOKENS,
     SEED,

@@ -16,8 +16,8 @@ from ..actors.messages import Completed, GenerationRequest, Outcome, TextDelta
 from ..engine.errors import InvalidRequestError
 from ..engine.options import EngineOptions
 from ..engine.params import SamplingParams
-from ..engine.prompt import ChatMessage
-from ..engine.sampling_defaults import SamplingDefaults, Source, built_in, describe
+from ..engine.vocabulary.prompt import ChatMessage
+from ..engine.vocabulary.sampling_defaults import SamplingDefaults, Source, built_in, describe
 from .cli_args import model_refused
 
 logger = logging.getLogger("mlx_trio.cli")

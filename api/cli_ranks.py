@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..engine.errors import MlxTrioError
-from ..engine.rank_group import RankGroup
+from ..engine.ranks.rank_group import RankGroup
 from .cli_args import DISTRIBUTED_BACKENDS, hostfile, integer
 
 MAX_LOCAL_RANKS = 256  # processes on this machine; more hosts: --hostfile

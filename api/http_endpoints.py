@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..engine.errors import InvalidRequestError
-from ..engine.prompt import Chat
-from ..engine.reply import ReplySplitter
-from ..engine.sampling_defaults import applied
+from ..engine.vocabulary.prompt import Chat
+from ..engine.vocabulary.reply import ReplySplitter
+from ..engine.vocabulary.sampling_defaults import applied
 from . import http_tokens
 from . import openai_format as fmt
 from .http_errors import HttpError, refusal_error

@@ -21,7 +21,7 @@ from ..actors.messages import (
     describe,
 )
 from ..actors.outcomes import seconds
-from ..engine.reply import ReplySplitter
+from ..engine.vocabulary.reply import ReplySplitter
 from . import openai_format as fmt
 from .inprocess import SessionHandle
 from .metrics import Metrics

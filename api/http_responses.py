@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..actors.messages import Completed, Event, Progress, TextDelta
 from ..engine.outputs import TokenLogprob
-from ..engine.reply import Called, Content, Piece, Reasoning
+from ..engine.vocabulary.reply import Called, Content, Piece, Reasoning
 from . import openai_format as fmt
 from .http_errors import first_failure, outcome_error
 from .http_exchange import Exchange

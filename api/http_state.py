@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..actors.config import RuntimeStatistics
-from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults, Source, built_in
+from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults, Source, built_in
 from .inprocess import RuntimeHandle, SessionHandle
 from .metrics import Metrics
 

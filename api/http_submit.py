@@ -16,8 +16,8 @@ from starlette.requests import Request
 from ..actors.messages import GenerationRequest
 from ..engine.errors import InvalidRequestError, RuntimeRefusal
 from ..engine.params import SamplingParams
-from ..engine.prompt import Prompt
-from ..engine.sampling_defaults import SamplingDefaults
+from ..engine.vocabulary.prompt import Prompt
+from ..engine.vocabulary.sampling_defaults import SamplingDefaults
 from .http_errors import HttpError, refusal_error
 from .http_state import API_KEY_STATE, AppState
 from .inprocess import RuntimeHandle, SessionHandle

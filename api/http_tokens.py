@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..engine.errors import InvalidRequestError
-from ..engine.prompt import Chat, Prompt
+from ..engine.vocabulary.prompt import Chat, Prompt
 from .chat_parts import Body, Message, ToolSpec
 from .http_errors import refusal_error
 from .http_input import parse

@@ -44,9 +44,9 @@ from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
 from ..engine.budget import MemoryLimit
 from ..engine.options import EngineOptions
-from ..engine.prompt import Prompt
-from ..engine.reply import ReplySyntax
-from ..engine.sampling_defaults import SamplingDefaults
+from ..engine.vocabulary.prompt import Prompt
+from ..engine.vocabulary.reply import ReplySyntax
+from ..engine.vocabulary.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from ..actors.messages import Usage
 from ..engine.outputs import TokenLogprob
-from ..engine.reply import Called, Content, Piece, Reasoning
-from ..engine.tools import ToolCall
+from ..engine.vocabulary.reply import Called, Content, Piece, Reasoning
+from ..engine.vocabulary.tools import ToolCall
 
 Kind = Literal["chat", "text"]
 TokenText = Callable[[int], str]

@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from ..actors.messages import Cancelled, Completed, Event, Failed, Progress, TextDelta
-from ..engine.prompt import ChatMessage
-from ..engine.reply import ReplySplitter, ReplySyntax
-from ..engine.tools import ToolCall
+from ..engine.vocabulary.prompt import ChatMessage
+from ..engine.vocabulary.reply import ReplySplitter, ReplySyntax
+from ..engine.vocabulary.tools import ToolCall
 from .http_errors import first_failure, outcome_error
 from .http_exchange import Exchange
 from .http_responses import cancel_on_disconnect, sse

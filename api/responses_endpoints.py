@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..engine.errors import InvalidRequestError
-from ..engine.prompt import ChatMessage
+from ..engine.vocabulary.prompt import ChatMessage
 from .http_endpoints import MAX_MESSAGES
 from .http_errors import HttpError, refusal_error
 from .http_exchange import Exchange

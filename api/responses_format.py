@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from ..actors.messages import Usage
-from ..engine.reply import Called, Content, Piece, Reasoning
-from ..engine.tools import ToolCall
+from ..engine.vocabulary.reply import Called, Content, Piece, Reasoning
+from ..engine.vocabulary.tools import ToolCall
 from .responses_schemas import ResponsesRequest
 from .responses_tools import FunctionChoice, FunctionTool, NamespaceTool
 

@@ -18,9 +18,9 @@ from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag
 
 from ..engine.errors import InvalidRequestError
 from ..engine.params import Grammar, SamplingParams
-from ..engine.prompt import Chat, ChatMessage
-from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from ..engine.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choice
+from ..engine.vocabulary.prompt import Chat, ChatMessage
+from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ..engine.vocabulary.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choice
 from .chat_parts import Body, JsonSchemaFormat, ResponseFormat
 from .responses_tools import (
     FunctionChoice,

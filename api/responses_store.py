@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.prompt import ChatMessage
+from ..engine.vocabulary.prompt import ChatMessage
 
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_BYTES = 64 * 1024 * 1024

@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..engine.errors import InvalidRequestError
 from ..engine.params import MAX_SEED, Grammar, SamplingParams
-from ..engine.prompt import Chat
-from ..engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from ..engine.tools import Tool, ToolChoice, call_grammar, check_choice
+from ..engine.vocabulary.prompt import Chat
+from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ..engine.vocabulary.tools import Tool, ToolChoice, call_grammar, check_choice
 from .chat_parts import (
     Body,
     CalledFunction,

@@ -23,7 +23,7 @@ from ..actors.port import EnginePort
 from ..engine.errors import InvalidRequestError, MlxTrioError
 from ..engine.options import EngineOptions
 from ..engine.params import SamplingParams
-from ..engine.sampling_defaults import describe
+from ..engine.vocabulary.sampling_defaults import describe
 from .http import build_app
 from .http_state import AppState, HttpSettings
 from .inprocess import RuntimeHandle, freeze_startup_heap, open_runtime

@@ -37,10 +37,10 @@ from pathlib import Path
 from mlx_trio.api.bench import cpu_share
 from mlx_trio.api.bench.report import pct
 from mlx_trio.engine import _blas
-from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.batch.batch import BatchEngine
+from mlx_trio.engine.batch.schedule import TokenBudget
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.schedule import TokenBudget
 from mlx_trio.engine.threads import ThreadChooser
 
 Mode = int | str  # a thread count, or "auto": the engine's ThreadChooser

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 

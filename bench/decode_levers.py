@@ -5,7 +5,7 @@ building the graph in Python (``build``), encoding and launching it (``encode``:
 ``mx.async_eval`` returns) and waiting for the device (``wait``). The variants:
 
 - ``mlx-lm``: the model's own forward over mlx-lm's ``KVCache`` (today's step);
-- ``mlx-lm fused``: the same with ``engine/fused.py``'s projections (4 matmul calls a layer);
+- ``mlx-lm fused``: the same with ``engine/model/fused.py``'s projections (4 matmul calls a layer);
 - ``fixed``: :class:`FixedDecoder`'s step (fused projections, preallocated cache, positions
   as an array), eager;
 - ``compiled``: the same under ``mx.compile``;

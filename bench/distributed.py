@@ -1,6 +1,6 @@
 """The engine over several ranks against one process: a batch of greedy rows on the batch
 engine's calls (``EngineCore``), the same calls in both; per step, the time rank 0 spends
-sending each call to the other ranks (``engine/distributed.py``'s ``Lockstep``).
+sending each call to the other ranks (``engine/ranks/distributed.py``'s ``Lockstep``).
 
     python -m bench.distributed [--ranks 2] [--parallel pipeline] [--rows 32] [--max-tokens 16]
 
@@ -31,12 +31,12 @@ from mlx_lm.generate import generation_stream
 from mlx_trio.api.bench.scenarios import prompt
 from mlx_trio.engine.calls import BatchAdd, BatchStep, answer
 from mlx_trio.engine.core import EngineCore
-from mlx_trio.engine.distributed import NOOP
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
-from mlx_trio.engine.rank_group import RankGroup
+from mlx_trio.engine.ranks.distributed import NOOP
+from mlx_trio.engine.ranks.rank_group import RankGroup
+from mlx_trio.engine.vocabulary.prompt import ChatMessage
 
 IDLE_SENDS = 50
 
@@ -94,7 +94,7 @@ def run(engine: Engine, rows: int, max_tokens: int) -> dict[str, float]:
 
 
 def as_rank(args: argparse.Namespace) -> None:
-    from mlx_trio.engine.distributed import build_rank, follow
+    from mlx_trio.engine.ranks.distributed import build_rank, follow
 
     group = RankGroup(args.ranks, args.parallel)
     engine = build_rank(partial(Engine.load, None, prompt_cache_bytes=0), group)

@@ -4,7 +4,7 @@ mlx-lm's forward builds its graph anew every step, with a KV cache that grows by
 concatenation and Python integers for positions. This step is shaped to let MLX reuse work:
 
 - the query, key and value projections are one matmul, and the MLP's gate and up projections
-  another (``engine/fused.py``'s groups: weights concatenated once);
+  another (``engine/model/fused.py``'s groups: weights concatenated once);
 - the KV cache is preallocated per row (``capacity`` positions) and written in place at each
   row's position, so shapes do not change from step to step and rows need no left padding;
 - positions are an input array (RoPE and the mask read them), so ``mx.compile`` traces the step
@@ -15,7 +15,7 @@ graph building from 1.4 to 0.6-0.8 ms a step, but MLX still encodes every kernel
 replayed graph each step, and the per-row mask sends attention to MLX's unfused path (the
 vector kernel takes no array mask), so the compiled step takes 0.79-0.81x mlx-lm's time at
 8-64 rows, 1.0x at 256 and 1.04x at 1 row. The fused projections were the part worth
-keeping: ``engine/fused.py``.
+keeping: ``engine/model/fused.py``.
 
 It works on the model's own modules (norms, RoPE, embedding, head), so weights and numerics
 stay mlx-lm's (greedy tokens equal: tests/test_decode_levers.py).
@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_trio.engine.fused import FusedLinear, fuse_projections
+from mlx_trio.engine.model.fused import FusedLinear, fuse_projections
 
 Step = Callable[..., tuple[mx.array, list[mx.array], list[mx.array]]]
 MatMul = Callable[[mx.array, mx.array], mx.array]

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.models import qwen3_5
 from mlx_lm.utils import save_model
 
-from mlx_trio.engine.model_store import pull_default_model
+from mlx_trio.engine.model.model_store import pull_default_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

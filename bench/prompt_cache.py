@@ -25,7 +25,7 @@ from mlx_trio.actors.messages import Completed, GenerationRequest, TextDelta
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.vocabulary.prompt import ChatMessage
 
 RULES = [
     "Answer in one or two sentences.",

@@ -1,8 +1,8 @@
 """On CPU, 4-bit weights kept quantized or dequantized to float32 at load (issue 35).
 
-The loader dequantizes a quantized checkpoint on CPU (``engine/loader.py``): MLX's CPU quantized
-matmul is not BLAS-backed. This measures both forms of the default model on the real step, in
-one process, rounds interleaved: decode at 1 row (``generate_step``) and 32 rows (mlx-lm's
+The loader dequantizes a quantized checkpoint on CPU (``engine/model/loader.py``): MLX's CPU
+quantized matmul is not BLAS-backed. This measures both forms of the default model on the real step,
+in one process, rounds interleaved: decode at 1 row (``generate_step``) and 32 rows (mlx-lm's
 ``BatchGenerator``), and a prefill of 1,000 tokens; and the weights' bytes of each. Keeping the
 weights quantized would be chosen where its time is within 1.25x of float32's everywhere.
 
@@ -27,7 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from mlx_trio.engine.model_store import pull_default_model
+from mlx_trio.engine.model.model_store import pull_default_model
 
 DECODE_TOKENS = 16
 PREFILL_TOKENS = 1000

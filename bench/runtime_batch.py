@@ -30,11 +30,11 @@ from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.actors.port import EnginePort
 from mlx_trio.api.bench.scenarios import prompt
 from mlx_trio.api.inprocess import open_runtime
-from mlx_trio.engine.batch import DEFAULT_PREFILL_CHUNK
+from mlx_trio.engine.batch.batch import DEFAULT_PREFILL_CHUNK
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.options import CoreRecipe
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.vocabulary.prompt import ChatMessage
 
 PREFILL_BATCH = 8
 TICK_S = 0.005

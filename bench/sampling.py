@@ -22,7 +22,7 @@ from mlx_trio.engine import _blas  # noqa: F401  (loads OpenBLAS: before MLX bel
 import mlx.core as mx
 
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.sampling import RowSampler, Sampler
+from mlx_trio.engine.vocabulary.sampling import RowSampler, Sampler
 
 CASES = {
     "temperature": SamplingParams(temperature=0.8),

@@ -1,6 +1,6 @@
 """Constrained rows beside free ones: a batch of 32 greedy rows, all free, against the same 32
-with half of them held to a JSON schema (``engine/grammar.py``), on the batch engine; the held
-rows' masks computed together (``lean_step.py``) and, for comparison, each in its own row's
+with half of them held to a JSON schema (``engine/vocabulary/grammar.py``), on the batch engine; the
+held rows' masks computed together (``lean_step.py``) and, for comparison, each in its own row's
 processor call.
 
 Interleaved rounds in one process on the default model; prints per round the batch's tok/s,
@@ -28,12 +28,12 @@ from mlx_trio.engine import _blas  # noqa: F401  (loads OpenBLAS: before MLX bel
 
 # isort: split
 from mlx_trio.api.bench.scenarios import prompt
-from mlx_trio.engine import lean_step
-from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.batch import lean_step
+from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import Grammar, SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.vocabulary.prompt import ChatMessage
 
 # Longer than any run's max_tokens (16 records of ~15 tokens): a held row decodes as many
 # tokens as a free one, so that the batches compare the cost of a step, not how soon a JSON

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, assert_never
 from .budget import MemoryBudget, MemoryUsage
 from .outputs import PromptCacheStatistics, RowEvent
 from .params import PreparedRequest
-from .sampling_defaults import SamplingDefaults
+from .vocabulary.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     from .core import EngineCore
@@ -149,7 +149,7 @@ class Reply(Generic[R]):
 class EngineStarted:
     """What the port knows of its engine from the start; the engine process's first reply.
     ``memory``: the memory budget the core planned (None: none). ``unbatchable``: why the
-    model's requests cannot batch (its caches cannot merge, ``engine/caches.py``; None: they
+    model's requests cannot batch (its caches cannot merge, ``engine/batch/caches.py``; None: they
     can)."""
 
     model_id: str
@@ -200,7 +200,7 @@ def apply(core: EngineCore, call: EngineCall) -> object:
 def answer(core: EngineCore, call: EngineCall) -> Reply[Any]:
     """Run one call on ``core``: its reply, an exception it raised included; then let the core
     tidy its memory (``EngineCore.tidy``). An engine over several ranks first sends the call
-    to the others (``engine/distributed.py``), which run it too."""
+    to the others (``engine/ranks/distributed.py``), which run it too."""
     core.lead(call)
     try:
         value = apply(core, call)

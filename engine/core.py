@@ -17,15 +17,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
-from .batch import DEFAULT_PREFILL_CHUNK, PREFILL_BATCH, BatchEngine
+from .batch.batch import DEFAULT_PREFILL_CHUNK, PREFILL_BATCH, BatchEngine
 from .budget import MemoryBudget, MemoryUsage
-from .distributed import AHEAD, STOP
 from .generate import Engine, Generation
 from .memory import apply_budget, memory_usage, plan_budget, trim_allocator
 from .outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
 from .params import PreparedRequest
-from .sampling import repair_random_state
+from .ranks.distributed import AHEAD, STOP
 from .threads import ThreadChooser, shape
+from .vocabulary.sampling import repair_random_state
 
 SERIAL_ROW = 0
 # While rows come and go without the engine ever going idle, free pages are given back this
@@ -248,7 +248,7 @@ class EngineCore:
 
     def lead(self, message: object) -> None:
         """Over several ranks, on rank 0: send ``message`` (a call, ``AHEAD`` or ``STOP``) to
-        the other ranks, which do the same (``engine/distributed.py``); else nothing."""
+        the other ranks, which do the same (``engine/ranks/distributed.py``); else nothing."""
         lockstep = self.engine.lockstep
         if lockstep is not None and lockstep.is_leader:
             lockstep.send(message)

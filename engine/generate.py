@@ -23,33 +23,33 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import fused
+from .batch.caches import CacheAbilities, tokens_held
+from .batch.prompt_cache import PromptCache, default_budget_bytes
+from .batch.row import RowDecoder
+from .batch.schedule import TokenBudget, default_budget
 from .budget import MemoryLimit
-from .caches import CacheAbilities, tokens_held
 from .errors import EngineError, InvalidRequestError
-from .grammar import grammar_failure
-from .grammar_sandbox import GrammarSandbox, TokenizerSpec
-from .loader import LoadedModel, load_model
 from .memory import ModelMemory, measure_model
+from .model import fused
+from .model.loader import LoadedModel, load_model
 from .outputs import Delta, GenerationStats
 from .params import PreparedRequest, SamplingParams
-from .prompt import Prompt, check_fits, check_length_before_rendering, encode_prompt
-from .prompt_cache import PromptCache, default_budget_bytes
-from .reply import ReplySyntax
-from .row import RowDecoder
-from .sampling import (
+from .vocabulary.grammar import grammar_failure
+from .vocabulary.grammar_sandbox import GrammarSandbox, TokenizerSpec
+from .vocabulary.prompt import Prompt, check_fits, check_length_before_rendering, encode_prompt
+from .vocabulary.reply import ReplySyntax
+from .vocabulary.sampling import (
     make_row_processors,
     make_row_sampler,
     repair_random_state,
     with_history,
     with_injected_fault,
 )
-from .sampling_defaults import SamplingDefaults
-from .schedule import TokenBudget, default_budget
-from .text import byte_level_table
+from .vocabulary.sampling_defaults import SamplingDefaults
+from .vocabulary.text import byte_level_table
 
 if TYPE_CHECKING:
-    from .distributed import Lockstep
+    from .ranks.distributed import Lockstep
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class Generation:
         on_progress = self._on_progress
         if prompt_cache is not None and self._engine.caches.checkpoints and len(prompt) - skip > 1:
             # The only entry a request like this one can reuse is its prompt but the last token
-            # (engine/caches.py): prefilled here, kept, then generate_step goes on from there.
+            # (engine/batch/caches.py): prefilled here, kept, then generate_step goes on from there.
             done = self._prefill(prompt[skip:-1], kv, len(prompt) - skip)
             prompt_cache.put(prompt[: skip + done], copy.deepcopy(kv), salt)
             on_progress = _offset_progress(on_progress, done)
@@ -188,7 +188,8 @@ class RequestPreparer:
 
     @functools.cached_property
     def grammar_sandbox(self) -> GrammarSandbox:
-        """Where a request's grammar is compiled first (``engine/grammar_sandbox.py``)."""
+        """Where a request's grammar is compiled first
+        (``engine/vocabulary/grammar_sandbox.py``)."""
         return GrammarSandbox(TokenizerSpec.of(self.tokenizer))
 
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -224,7 +225,7 @@ class Engine:
     ):
         """``prompt_cache_bytes``: the prompt cache's budget; 0 turns it off, None picks
         :func:`default_budget_bytes`. ``token_budget``: how much prompt the batch prefills a
-        step (``engine/schedule.py``; None: the batch engine's fixed chunks).
+        step (``engine/batch/schedule.py``; None: the batch engine's fixed chunks).
         ``memory_limit``: the memory budget an ``EngineCore`` plans over this engine and sets
         in MLX (None: none; ``engine/memory.py``); the model is measured for it here."""
         self.loaded = loaded
@@ -235,7 +236,7 @@ class Engine:
         self.caches = CacheAbilities.of(self.model)
         logger.info("%s: %s", loaded.model_id, self.caches.describe())
         self.preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
-        # Over several ranks: rank 0 sends its calls to the others (engine/distributed.py).
+        # Over several ranks: rank 0 sends its calls to the others (engine/ranks/distributed.py).
         self.lockstep: Lockstep | None = None
         self.vocab_size = self.preparer.vocab_size
         budget = default_budget_bytes() if prompt_cache_bytes is None else prompt_cache_bytes
@@ -263,7 +264,7 @@ class Engine:
         budget is the device's (``default_budget``), with the two limits given overriding it.
         ``split``: a rank keeps its part of the model, before its weights are read
         (``loader.load_model``). ``fuse``: one matmul for the projections that read the same
-        input (``engine/fused.py``; None: its default, on a GPU; never for a rank's part)."""
+        input (``engine/model/fused.py``; None: its default, on a GPU; never for a rank's part)."""
         loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
         if split is None and fused.wanted(loaded.device, given=fuse):
             fused.fuse_projections(loaded.model)

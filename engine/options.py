@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .budget import MemoryLimit
 from .errors import InvalidRequestError, check_at_least
-from .rank_group import RankGroup
+from .ranks.rank_group import RankGroup
 
 if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here without it
     from .calls import EngineStarted
@@ -36,12 +36,12 @@ class EngineOptions:
     cache's budget (None: an eighth of memory, at most 8 GiB; 0: off). ``memory_limit``: the
     memory budget (None: 0.9 of a GPU's memory, 0.5 of the CPU's; design/015).
     ``max_preparation_tokens`` and ``max_iteration_tokens``: the batch's token budget
-    (``engine/schedule.py``; None: the device's). ``fuse``: one matmul for the projections
-    that read the same input (``engine/fused.py``; None: on a GPU). ``engine_process``: run the
-    model in a child process instead of on a thread beside the event loop (None: a process on
-    a GPU, design/009). ``ranks``: run it over a group of ranks that ``mlx.launch`` starts, the
-    model split over them (design/020; the prompt cache is off there). ``warm_up``: compile the
-    kernels of every shape the runtime uses before the engine reports started (GPU only).
+    (``engine/batch/schedule.py``; None: the device's). ``fuse``: one matmul for the projections
+    that read the same input (``engine/model/fused.py``; None: on a GPU). ``engine_process``: run
+    the model in a child process instead of on a thread beside the event loop (None: a process on a
+    GPU, design/009). ``ranks``: run it over a group of ranks that ``mlx.launch`` starts, the model
+    split over them (design/020; the prompt cache is off there). ``warm_up``: compile the kernels of
+    every shape the runtime uses before the engine reports started (GPU only).
     """
 
     model: str | None = None
@@ -68,7 +68,7 @@ class EngineOptions:
         The memory limit is the device's default where none was given."""
         from .budget import default_limit
         from .generate import Engine
-        from .loader import runs_on_gpu
+        from .model.loader import runs_on_gpu
 
         limit = self.memory_limit or default_limit(runs_on_gpu(self.device))
         return partial(

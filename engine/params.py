@@ -31,8 +31,8 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 
 @dataclass(frozen=True, slots=True)
 class Grammar:
-    """What a row's output must match (``engine/grammar.py``): ``json_schema`` (``spec``: the
-    schema as JSON text), ``json_object`` (any JSON object), ``regex`` or ``lark`` (``spec``:
+    """What a row's output must match (``engine/vocabulary/grammar.py``): ``json_schema`` (``spec``:
+    the schema as JSON text), ``json_object`` (any JSON object), ``regex`` or ``lark`` (``spec``:
     the expression or grammar)."""
 
     kind: GrammarKind

@@ -33,11 +33,11 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 # isort: split
 import mlx.core as mx
 
-from .batch import BatchEngine
+from .batch.batch import BatchEngine
+from .batch.schedule import MIN_CHUNK, TokenBudget
 from .errors import EngineError
 from .generate import Engine
 from .params import PreparedRequest, SamplingParams
-from .schedule import MIN_CHUNK, TokenBudget
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import save_model
 
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.random_model import in_memory
+from mlx_trio.engine.model.random_model import in_memory
 from tests.tiny import make_tokenizer
 
 WINDOW = 16  # the sliding windows: shorter than most test prompts

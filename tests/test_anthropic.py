@@ -22,7 +22,7 @@ from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.testing.scripted import Script, ScriptedEngine, expected_tokens, token_text
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.server import ServeOptions
-from mlx_trio.engine.reply import ReplySyntax
+from mlx_trio.engine.vocabulary.reply import ReplySyntax
 from tests.server_thread import ServerThread, wait_for
 
 MODEL = "claude-test"

@@ -8,7 +8,8 @@ import sys
 import mlx.core as mx
 import pytest
 
-from mlx_trio.engine import _blas, loader
+from mlx_trio.engine import _blas
+from mlx_trio.engine.model import loader
 
 
 @pytest.mark.skipif(

@@ -431,7 +431,7 @@ def test_the_float32_copy_for_mlx_lm_server_is_logged_with_its_path_and_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from mlx_trio.api.bench import systems
-    from mlx_trio.engine import model_store
+    from mlx_trio.engine.model import model_store
 
     def convert(argv, **kwargs):  # type: ignore[no-untyped-def]
         staged = Path(argv[-1])  # what mlx_lm.convert would write: 3 MB here

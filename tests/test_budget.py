@@ -9,9 +9,9 @@ import trio
 from mlx_trio.actors.messages import Completed, GenerationRequest, TextDelta
 from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api.inprocess import open_runtime
+from mlx_trio.engine.batch.schedule import MIN_CHUNK, TokenBudget, default_budget
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.schedule import MIN_CHUNK, TokenBudget, default_budget
 
 # -- the rules -------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from mlx_trio.api import (
 )
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.options import EngineOptions
-from mlx_trio.engine.rank_group import RankGroup
+from mlx_trio.engine.ranks.rank_group import RankGroup
 from tests.server_thread import ServerThread, ask, health, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -139,7 +139,7 @@ async def test_ranks_give_one_process_greedy_tokens_through_cancel_and_disconnec
 
 
 def rank_pids(rank: int) -> list[int]:
-    """Processes of ``python -m mlx_trio.engine.rank`` that mlx.launch made rank ``rank``."""
+    """Processes of ``python -m mlx_trio.engine.ranks.rank`` that mlx.launch made rank ``rank``."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
@@ -147,7 +147,7 @@ def rank_pids(rank: int) -> list[int]:
             environ = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"mlx_trio.engine.rank" in command and f"MLX_RANK={rank}".encode() in environ:
+        if b"mlx_trio.engine.ranks.rank" in command and f"MLX_RANK={rank}".encode() in environ:
             found.append(int(proc.name))
     return found
 

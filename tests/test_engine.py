@@ -8,13 +8,13 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.batch.batch import BatchEngine
+from mlx_trio.engine.batch.schedule import TokenBudget
 from mlx_trio.engine.errors import ContextLengthExceededError, InvalidRequestError
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowFailed, RowOutput, RowProgress
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.sampling import make_row_processors, make_row_sampler
-from mlx_trio.engine.schedule import TokenBudget
+from mlx_trio.engine.vocabulary.sampling import make_row_processors, make_row_sampler
 
 TINY_VOCAB = 263  # tests/tiny.py: 256 bytes, 4 merges, 3 special tokens
 
@@ -544,7 +544,7 @@ def test_a_row_with_penalties_goes_solo_and_its_penalties_see_its_whole_history(
         made = make_row_processors(params, tokenizer)
         return [*made, record] if params is penalized else made
 
-    monkeypatch.setattr("mlx_trio.engine.batch_rows.make_row_processors", processors)
+    monkeypatch.setattr("mlx_trio.engine.batch.batch_rows.make_row_processors", processors)
 
     def run(solo: bool) -> tuple[list[int], bool]:
         seen.clear()
@@ -677,7 +677,7 @@ def test_log_probabilities_are_normalized_for_the_rows_that_ask_beside_rows_that
     tiny_engine,
 ):
     # The batch skips the normalization while no row asks for log-probabilities
-    # (engine/lean_step.py): a row that asks still gets them normalized, whoever joined first,
+    # (engine/batch/lean_step.py): a row that asks still gets them normalized, whoever joined first,
     # and nobody's greedy tokens change.
     free = SamplingParams(temperature=0, max_tokens=12)
     asks = SamplingParams(temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)

@@ -23,9 +23,9 @@ INTERNAL = {
     ("engine/_blas.py", "OSError"),
     ("engine/_elf.py", "ValueError"),
     # mlx-lm's tool parsers' protocol: the caller takes ValueError as "not a call"
-    ("engine/tools.py", "ValueError"),
+    ("engine/vocabulary/tools.py", "ValueError"),
     # a missing member of a model package, caught beside it and raised as ModelImportError
-    ("engine/model_store.py", "KeyError"),
+    ("engine/model/model_store.py", "KeyError"),
     # fault injection: the out-of-memory error MLX raises, injected as MLX would raise it
     ("actors/testing/faulty.py", "MemoryError"),
 }

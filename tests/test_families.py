@@ -27,13 +27,13 @@ from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.api.inprocess import Collected, RuntimeHandle, open_runtime
 from mlx_trio.api.server import ServeOptions
-from mlx_trio.engine.batch import BatchEngine
-from mlx_trio.engine.caches import CacheAbilities
+from mlx_trio.engine.batch.batch import BatchEngine
+from mlx_trio.engine.batch.caches import CacheAbilities
 from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.model.random_model import in_memory
 from mlx_trio.engine.options import EngineOptions
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.random_model import in_memory
 from tests.families import FAMILIES, RECURRENT, make_engine, make_model, mlx_lm_greedy, save
 from tests.server_thread import ServerThread
 from tests.tiny import make_tokenizer

@@ -1,4 +1,4 @@
-"""Fused projections (engine/fused.py): one matmul for the projections that read one input.
+"""Fused projections (engine/model/fused.py): one matmul for the projections that read one input.
 
 What a user would notice if it were wrong: other tokens than mlx-lm's own forward gives, a
 model that reports more memory, or a quantized model that breaks. The tiny random llama runs
@@ -13,10 +13,10 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_trio.engine import fused
-from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.model import fused
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import SamplingParams
 from tests.tiny import TOKEN_PROMPTS, greedy, make_model

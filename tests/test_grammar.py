@@ -1,6 +1,6 @@
-"""Constrained decoding (engine/grammar.py) on the tiny random model: whatever its weights
-would say, a row held to a grammar says something the grammar accepts, on both lanes, and the
-rows beside it decode exactly as they would alone."""
+"""Constrained decoding (engine/vocabulary/grammar.py) on the tiny random model: whatever its
+weights would say, a row held to a grammar says something the grammar accepts, on both lanes, and
+the rows beside it decode exactly as they would alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.outputs import RowOutput

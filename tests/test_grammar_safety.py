@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.grammar_sandbox import GrammarSandbox, TokenizerSpec
-from mlx_trio.engine.grammar_text import check_bounds
 from mlx_trio.engine.outputs import RowFailed, RowOutput
 from mlx_trio.engine.params import Grammar, PreparedRequest, SamplingParams
-from mlx_trio.engine.tools import Tool
+from mlx_trio.engine.vocabulary.grammar_sandbox import GrammarSandbox, TokenizerSpec
+from mlx_trio.engine.vocabulary.grammar_text import check_bounds
+from mlx_trio.engine.vocabulary.tools import Tool
 from tests.tiny import make_tokenizer
 
 

@@ -15,7 +15,7 @@ from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.prompt import Prompt
+from mlx_trio.engine.vocabulary.prompt import Prompt
 from tests.server_thread import ServerThread, scripted_server
 from tests.test_http import MODEL, chat_body, stats, wait_for
 

@@ -11,7 +11,7 @@ from mlx_trio.api.http_endpoints import MAX_MESSAGES
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.engine.errors import ContextLengthExceededError
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.vocabulary.prompt import ChatMessage
 from tests.server_thread import model_id, scripted_server
 from tests.tiny import make_preparer
 

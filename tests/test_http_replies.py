@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from mlx_trio.actors.testing.scripted import ScriptedEngine, expected_tokens, token_text
-from mlx_trio.engine.reply import ReplySyntax
+from mlx_trio.engine.vocabulary.reply import ReplySyntax
 from tests.server_thread import ServerThread
 
 MODEL = "scripted"

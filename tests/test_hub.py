@@ -20,8 +20,8 @@ import pytest
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.errors import ModelNotFoundError
-from mlx_trio.engine.hub import HubId, parse_hub_id
-from mlx_trio.engine.model_store import resolve_model
+from mlx_trio.engine.model.hub import HubId, parse_hub_id
+from mlx_trio.engine.model.model_store import resolve_model
 from mlx_trio.engine.params import SamplingParams
 from tests.families import save
 

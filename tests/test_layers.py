@@ -46,7 +46,8 @@ import sys
 
 import mlx_trio.actors.batch_group, mlx_trio.actors.runtime, mlx_trio.actors.testing.scripted
 import mlx_trio.engine.errors, mlx_trio.engine.outputs, mlx_trio.engine.params
-import mlx_trio.engine.prompt, mlx_trio.engine.sampling_defaults, mlx_trio.engine.stops
+import mlx_trio.engine.vocabulary.prompt, mlx_trio.engine.vocabulary.sampling_defaults
+import mlx_trio.engine.vocabulary.stops
 
 with open("/proc/self/maps") as maps:
     blas = any("libopenblas" in line for line in maps)

@@ -24,7 +24,7 @@ from mlx_trio.api.inprocess import RuntimeHandle, SessionHandle, open_runtime
 from mlx_trio.engine.budget import MemoryBudget, MemoryLimit, is_out_of_memory
 from mlx_trio.engine.errors import InvalidRequestError, MemoryBudgetExceededError
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.vocabulary.prompt import ChatMessage
 
 POOL_TOKENS = 100
 

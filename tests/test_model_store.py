@@ -28,18 +28,18 @@ from mlx_trio.engine.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from mlx_trio.engine.gguf import import_gguf
-from mlx_trio.engine.loader import load_model
-from mlx_trio.engine.manifest import MANIFEST_NAME, manifest_problem
-from mlx_trio.engine.model_store import (
+from mlx_trio.engine.model.gguf import import_gguf
+from mlx_trio.engine.model.loader import load_model
+from mlx_trio.engine.model.manifest import MANIFEST_NAME, manifest_problem
+from mlx_trio.engine.model.model_store import (
     DEFAULT_SOURCE,
     KNOWN_SOURCES,
     ModelSource,
     pull_default_model,
     resolve_model,
 )
-from mlx_trio.engine.package_index import Indexes, configured_indexes
-from mlx_trio.engine.sampling_defaults import SamplingDefaults
+from mlx_trio.engine.model.package_index import Indexes, configured_indexes
+from mlx_trio.engine.vocabulary.sampling_defaults import SamplingDefaults
 from tests.fake_index import FakeIndex
 
 # isort: split

@@ -21,7 +21,7 @@ from mlx_trio.engine.errors import EngineUnavailableError, UnsupportedModelError
 from mlx_trio.engine.options import CoreRecipe
 from mlx_trio.engine.outputs import RowOutput
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.vocabulary.prompt import ChatMessage
 from tests.tiny import build_engine, build_nothing, make_preparer
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.budget import MemoryLimit
 from mlx_trio.engine.core import EngineCore
 from mlx_trio.engine.generate import Engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_trio.engine.rank_group import RankGroup
+from mlx_trio.engine.ranks.rank_group import RankGroup
 
 
 def test_local_ranks_launch_with_mlx_launch_and_share_the_cores(monkeypatch, tmp_path):
@@ -16,7 +16,7 @@ def test_local_ranks_launch_with_mlx_launch_and_share_the_cores(monkeypatch, tmp
     command = RankGroup(2, "pipeline").launch_command(python, "/tmp/args")
     assert command[0] == str(tmp_path / "mlx.launch")
     assert command[1:7] == ["--backend", "ring", "-n", "2", "--env", "OPENBLAS_NUM_THREADS=4"]
-    assert command[7:] == ["--", python, "-m", "mlx_trio.engine.rank", "/tmp/args"]
+    assert command[7:] == ["--", python, "-m", "mlx_trio.engine.ranks.rank", "/tmp/args"]
 
 
 def test_without_the_script_mlx_launch_runs_from_its_module(monkeypatch, tmp_path):

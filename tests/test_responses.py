@@ -25,8 +25,8 @@ from mlx_trio.api.responses_schemas import ResponsesRequest
 from mlx_trio.api.responses_store import ResponseStore, stored
 from mlx_trio.api.schemas import ChatCompletionRequest
 from mlx_trio.api.server import ServeOptions
-from mlx_trio.engine.prompt import ChatMessage
-from mlx_trio.engine.reply import ReplySyntax
+from mlx_trio.engine.vocabulary.prompt import ChatMessage
+from mlx_trio.engine.vocabulary.reply import ReplySyntax
 from tests.server_thread import ServerThread, wait_for
 
 MODEL = "scripted"

@@ -8,7 +8,7 @@ import trio
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import ChatMessage
+from mlx_trio.engine.vocabulary.prompt import ChatMessage
 
 pytestmark = pytest.mark.e2e
 

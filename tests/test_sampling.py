@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.sampling import RowSampler
+from mlx_trio.engine.vocabulary.sampling import RowSampler
 
 # Five tokens: probabilities 0.5, 0.25, 0.15, 0.07, 0.03.
 LOGPROBS = mx.log(mx.array([[0.5, 0.25, 0.15, 0.07, 0.03]]))

@@ -24,8 +24,8 @@ from mlx_trio.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import Prompt
-from mlx_trio.engine.sampling_defaults import SamplingDefaults, built_in, describe
+from mlx_trio.engine.vocabulary.prompt import Prompt
+from mlx_trio.engine.vocabulary.sampling_defaults import SamplingDefaults, built_in, describe
 from tests.server_thread import ServerThread
 
 MODEL = SamplingDefaults(temperature=0.2, top_p=0.9, top_k=40, max_tokens=3)

@@ -37,7 +37,7 @@ from mlx_trio.engine.calls import Call, EngineStarted, EngineState, Reply
 from mlx_trio.engine.errors import EngineUnavailableError
 from mlx_trio.engine.options import EngineOptions
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.sampling_defaults import NO_DEFAULTS
+from mlx_trio.engine.vocabulary.sampling_defaults import NO_DEFAULTS
 from tests.server_thread import ServerThread, ask, health, wait_for
 
 

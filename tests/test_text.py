@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from mlx_trio.engine.stops import StopStringMatcher
-from mlx_trio.engine.text import TextStream, byte_level_table
+from mlx_trio.engine.vocabulary.stops import StopStringMatcher
+from mlx_trio.engine.vocabulary.text import TextStream, byte_level_table
 from tests.tiny import make_tokenizer
 
 

@@ -10,16 +10,16 @@ import llguidance
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from mlx_trio.engine.batch import BatchEngine
+from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.errors import InvalidRequestError
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.grammar import TOKENIZERS
-from mlx_trio.engine.grammar_text import llguidance_grammar
+from mlx_trio.engine.model.random_model import byte_level_tokenizer
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.prompt import Chat, ChatMessage, encode_prompt
-from mlx_trio.engine.random_model import byte_level_tokenizer
-from mlx_trio.engine.reply import Called, Content, Reasoning, ReplySplitter, ReplySyntax
-from mlx_trio.engine.tools import Tool, ToolCall, ToolChoice, call_grammar
+from mlx_trio.engine.vocabulary.grammar import TOKENIZERS
+from mlx_trio.engine.vocabulary.grammar_text import llguidance_grammar
+from mlx_trio.engine.vocabulary.prompt import Chat, ChatMessage, encode_prompt
+from mlx_trio.engine.vocabulary.reply import Called, Content, Reasoning, ReplySplitter, ReplySyntax
+from mlx_trio.engine.vocabulary.tools import Tool, ToolCall, ToolChoice, call_grammar
 from tests.test_grammar import run
 from tests.tiny import MERGES, SPECIALS, make_tokenizer
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from mlx_trio.engine.batch.schedule import TokenBudget
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.schedule import TokenBudget
 from mlx_trio.engine.warmup import warm_up
 from tests.tiny import make_loaded
 

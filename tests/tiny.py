@@ -1,6 +1,6 @@
 """A tiny random llama and a byte-level BPE tokenizer, built in memory (no download).
 
-The recipe is ``mlx_trio.engine.random_model``'s, which the benchmark's model shares; what is
+The recipe is ``mlx_trio.engine.model.random_model``'s, which the benchmark's model shares; what is
 the tests' own is the size, the few merges and the chat template.
 """
 
@@ -14,8 +14,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_trio.engine.errors import UnsupportedModelError
 from mlx_trio.engine.generate import Engine, RequestPreparer
-from mlx_trio.engine.loader import LoadedModel
-from mlx_trio.engine.random_model import byte_level_tokenizer, in_memory, random_llama
+from mlx_trio.engine.model.loader import LoadedModel
+from mlx_trio.engine.model.random_model import byte_level_tokenizer, in_memory, random_llama
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]

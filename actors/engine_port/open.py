@@ -13,7 +13,7 @@ import trio
 
 from ...engine.calls import EngineStarted
 from ...engine.generate import RequestPreparer
-from ...engine.loader import load_tokenizer_only, runs_on_gpu
+from ...engine.model.loader import load_tokenizer_only, runs_on_gpu
 from ...engine.options import CoreRecipe, EngineOptions
 from ..config import RuntimeConfig
 from .port import CorePort, Transport

@@ -22,8 +22,8 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
+from ...engine.batch.caches import BatchMode
 from ...engine.budget import MemoryBudget, MemoryUsage
-from ...engine.caches import BatchMode
 from ...engine.calls import (
     BatchAdd,
     BatchPark,
@@ -44,9 +44,9 @@ from ...engine.errors import EngineError, EngineUnavailableError
 from ...engine.generate import RequestPreparer
 from ...engine.outputs import PromptCacheStatistics, RowEvent
 from ...engine.params import PreparedRequest, SamplingParams
-from ...engine.prompt import Prompt
-from ...engine.reply import ReplySyntax
-from ...engine.sampling_defaults import SamplingDefaults
+from ...engine.vocabulary.prompt import Prompt
+from ...engine.vocabulary.reply import ReplySyntax
+from ...engine.vocabulary.sampling_defaults import SamplingDefaults
 from ...engine.warmup import WarmupReport
 from ..config import DEFAULT_RETRY_AFTER_S
 from ..port import ALWAYS_UP, EngineLiveness

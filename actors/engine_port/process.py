@@ -33,7 +33,7 @@ from ...engine.child import serve_engine
 from ...engine.errors import EngineProcessError
 from ...engine.generate import RequestPreparer
 from ...engine.options import CoreRecipe
-from ...engine.rank_group import RankGroup
+from ...engine.ranks.rank_group import RankGroup
 from .port import CallClock, CorePort
 from .ranks import open_rank_group
 

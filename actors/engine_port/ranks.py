@@ -1,7 +1,7 @@
-"""An engine over a group of ranks, started by ``mlx.launch`` (``engine/distributed.py``).
+"""An engine over a group of ranks, started by ``mlx.launch`` (``engine/ranks/distributed.py``).
 
 The runtime stays in this process, as with an engine process; ``mlx.launch`` starts the ranks
-(``python -m mlx_trio.engine.rank``), and rank 0 connects back to a Unix socket here and
+(``python -m mlx_trio.engine.ranks.rank``), and rank 0 connects back to a Unix socket here and
 answers the engine port's calls over it, framed as an engine process's are. The group is one
 "engine process" to the transport and its supervisor: if any rank dies, ``mlx.launch`` ends the
 others, rank 0's socket closes, the rows in flight end ``engine_fault``, ``/health`` turns 503,
@@ -27,8 +27,8 @@ import trio
 
 from ...engine.errors import EngineProcessError
 from ...engine.options import CoreRecipe
-from ...engine.rank import RankArgs
-from ...engine.rank_group import RankGroup
+from ...engine.ranks.rank import RankArgs
+from ...engine.ranks.rank_group import RankGroup
 
 logger = logging.getLogger(__name__)
 

@@ -19,13 +19,13 @@ import trio
 from ...engine.budget import MemoryBudget, MemoryUsage
 from ...engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
 from ...engine.params import PreparedRequest, SamplingParams
-from ...engine.prompt import Prompt
-from ...engine.reply import ReplySyntax
-from ...engine.sampling_defaults import SamplingDefaults
+from ...engine.vocabulary.prompt import Prompt
+from ...engine.vocabulary.reply import ReplySyntax
+from ...engine.vocabulary.sampling_defaults import SamplingDefaults
 from ..port import EngineLiveness, EnginePort
 
 if TYPE_CHECKING:
-    from ...engine.caches import BatchMode
+    from ...engine.batch.caches import BatchMode
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ...engine.batch.schedule import TokenBudget
 from ...engine.budget import MemoryBudget
 from ...engine.outputs import Delta, RowEvent, RowFailed, RowOutput, RowProgress
 from ...engine.params import PreparedRequest
-from ...engine.schedule import TokenBudget
-from ...engine.stops import StopStringMatcher
+from ...engine.vocabulary.stops import StopStringMatcher
 
 VOCAB_SIZE = 1000
 EOS_TOKEN = 0
@@ -39,7 +39,7 @@ class Script:
     never return. ``row_faults``: prompt text -> the generated-token index at which that row's
     sampler raises. ``step_s``: simulated time per step; ``slow_steps`` overrides it per step.
     ``budget``: the batch prefills by this token budget, as the real one does
-    (``engine/schedule.py``); None: every prompt ``prefill_chunk`` tokens a step.
+    (``engine/batch/schedule.py``); None: every prompt ``prefill_chunk`` tokens a step.
     """
 
     step_s: float = 0.01

@@ -29,9 +29,9 @@ from ...engine.outputs import (
     TokenLogprob,
 )
 from ...engine.params import PreparedRequest, SamplingParams
-from ...engine.prompt import Chat, Prompt, check_fits, check_messages
-from ...engine.reply import ReplySyntax
-from ...engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from ...engine.vocabulary.prompt import Chat, Prompt, check_fits, check_messages
+from ...engine.vocabulary.reply import ReplySyntax
+from ...engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from ..port import ALWAYS_UP, EngineLiveness
 from .script import (
     BYTES_PER_TOKEN,
@@ -51,7 +51,7 @@ from .script import (
 )
 
 if TYPE_CHECKING:
-    from ...engine.caches import BatchMode
+    from ...engine.batch.caches import BatchMode
 
 __all__ = [
     "BYTES_PER_TOKEN",

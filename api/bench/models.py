@@ -1,6 +1,6 @@
 """The GPU run's model: the Llama-3.2-1B shape with random weights, in bfloat16 or 4-bit.
 
-Built in memory by ``engine/random_model.py`` (nothing to download): hidden 2048, 16 layers,
+Built in memory by ``engine/model/random_model.py`` (nothing to download): hidden 2048, 16 layers,
 MLP 8192, 32 query and 8 key-value heads, Llama 3's rope scaling, tied embeddings, and a
 tokenizer with exactly the 128,256 ids of the real vocabulary (bytes, then made-up words, then
 the three special tokens), so the embedding and the LM head are the real size. ``quick`` keeps
@@ -21,7 +21,7 @@ from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ...engine.generate import Engine
-from ...engine.random_model import byte_level_tokenizer, in_memory, random_llama
+from ...engine.model.random_model import byte_level_tokenizer, in_memory, random_llama
 
 MODEL_ID = "llama-3.2-1b-shaped-random"
 VOCAB = 128256

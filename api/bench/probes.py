@@ -24,7 +24,7 @@ from typing import Any
 from ...actors.engine_port.thread import ThreadedEngine
 from ...engine.generate import Engine
 from ...engine.params import PreparedRequest, SamplingParams
-from ...engine.prompt import Chat, Prompt
+from ...engine.vocabulary.prompt import Chat, Prompt
 
 
 def prompt_ids(text: str, length: int) -> tuple[int, ...]:

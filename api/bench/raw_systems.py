@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 from ...engine.generate import Engine
 from ...engine.params import SamplingParams
-from ...engine.prompt import ChatMessage
+from ...engine.vocabulary.prompt import ChatMessage
 from .scenarios import Stream
 from .stream import RequestResult, StreamProgress
 from .systems import MAX_BATCH, PREFILL_BATCH, PREFILL_CHUNK

@@ -8,7 +8,7 @@ Both servers serve the embedded default model in float32 on CPU: mlx-trio dequan
 mlx-trio does for itself, at OpenBLAS's own thread count (one a core, or
 ``OPENBLAS_NUM_THREADS``): what mlx-lm gets with OpenBLAS preloaded. Each server otherwise
 runs with its own defaults (mlx_lm.server: 32 rows decoded together, 8 prompts prefilled
-together in steps of 2,048 tokens; mlx-trio: its token budget, ``engine/schedule.py``).
+together in steps of 2,048 tokens; mlx-trio: its token budget, ``engine/batch/schedule.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SERVERS = ("mlx-trio", "mlx_lm")
 F32_MODEL_NAME = "smollm2-135m-instruct-f32"
 # mlx-trio runs with --max-batch 32, its default. The in-process raw BatchGenerator prefills 8
 # prompts at once in chunks of 256 tokens, as mlx-trio's batch engine did before its token
-# budget (engine/batch.py without one).
+# budget (engine/batch/batch.py without one).
 MAX_BATCH = 32
 PREFILL_BATCH = 8
 PREFILL_CHUNK = 256
@@ -102,7 +102,7 @@ def ensure_f32_model() -> Path:
     renamed into place, so an interrupted conversion leaves no half-written model behind. The
     copy is about 517 MB: where it is and its size are logged, each run, since it stays.
     """
-    from ...engine.model_store import cache_root, pull_default_model
+    from ...engine.model.model_store import cache_root, pull_default_model
 
     target = cache_root() / "models" / F32_MODEL_NAME
     if (target / "config.json").is_file():

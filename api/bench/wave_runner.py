@@ -30,7 +30,7 @@ import trio
 
 from ...actors.engine_port.process import open_process_engine
 from ...actors.engine_port.thread import EngineThread, ThreadedEngine
-from ...engine.batch import DEFAULT_PREFILL_CHUNK
+from ...engine.batch.batch import DEFAULT_PREFILL_CHUNK
 from ...engine.generate import Engine
 from ...engine.options import CoreRecipe
 from ...engine.warmup import warm_up

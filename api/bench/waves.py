@@ -36,7 +36,7 @@ import trio
 
 from ...actors.config import RuntimeConfig
 from ...actors.messages import Completed, GenerationRequest
-from ...engine.batch import DEFAULT_PREFILL_CHUNK
+from ...engine.batch.batch import DEFAULT_PREFILL_CHUNK
 from ...engine.generate import Engine
 from ...engine.params import SamplingParams
 from .models import MODEL_ID

@@ -50,7 +50,7 @@ from ...engine import _blas
 from ...engine.errors import MlxTrioError
 from ...engine.generate import Engine
 from ...engine.options import CoreRecipe, EngineOptions
-from ...engine.prompt import ChatMessage
+from ...engine.vocabulary.prompt import ChatMessage
 from ..inprocess import RuntimeHandle, SessionHandle, open_runtime
 from .load import FirstTokens
 from .raw_systems import Handler, params, raw_handler, stream_result, streams_of

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx

@@ -10,15 +10,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .outputs import Delta, FinishReason, GenerationStats, TokenLogprob
-from .params import SamplingParams
-from .text import TextStream
+from ..outputs import Delta, FinishReason, GenerationStats, TokenLogprob
+from ..params import SamplingParams
+from ..vocabulary.text import TextStream
 
 
 def token_logprob(logprobs: mx.array, token: int, top_n: int) -> TokenLogprob:

@@ -6,8 +6,8 @@ exception). So everything llguidance compiles here is compiled on a thread with 
 (:data:`STACK_BYTES`, reserved, not committed: only the pages a compile touches cost memory), a
 grammar is bounded before it gets there (:func:`check_bounds`: its size, the nesting of its JSON,
 its ``$ref``s), and a request's grammar is first compiled in a child process that may die in its
-place (``engine/grammar_sandbox.py``). ``LIMITS`` bounds what a matcher may spend on one mask:
-past it the matcher stops with an error, which fails its row (never a "stop").
+place (``engine/vocabulary/grammar_sandbox.py``). ``LIMITS`` bounds what a matcher may spend on one
+mask: past it the matcher stops with an error, which fails its row (never a "stop").
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import llguidance
 
-from .errors import InvalidRequestError
-from .params import Grammar
+from ..errors import InvalidRequestError
+from ..params import Grammar
 
 T = TypeVar("T")
 

@@ -23,15 +23,15 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, greedy_sampler, make_logits_processors
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
+from ..params import PreparedRequest, SamplingParams
 from .grammar import grammar_processor
-from .params import PreparedRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def _after(
 
 def make_row_processors(params: SamplingParams, tokenizer: Any = None) -> list[LogitsProcessor]:
     """Logit bias and penalties for one request (empty when none is set), then its grammar's
-    mask (``engine/grammar.py``; it needs the model's ``tokenizer``)."""
+    mask (``engine/vocabulary/grammar.py``; it needs the model's ``tokenizer``)."""
     processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import InvalidRequestError
-from .params import SamplingParams
+from ..errors import InvalidRequestError
+from ..params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 
 mlx-lm's ``GenerationBatch._step`` normalizes every row's logits into log-probabilities before
 its samplers see them: a ``logsumexp`` over the whole vocabulary for every row, every step. Our
-samplers do not need it (``engine/sampling.py``: greedy takes the argmax, and the temperature,
-top-p, min-p and top-k filters and the draw are the same for logits shifted by a constant), and
-only a row that asked for ``logprobs`` reads them. On 2 CPU cores, with 32 rows of the default
-model (49,152 tokens), a decode step took 196 ms with it and 172 ms without (0.88x): MLX's CPU
-``exp`` runs on one thread, 13 ns an element (design/017).
+samplers do not need it (``engine/vocabulary/sampling.py``: greedy takes the argmax, and the
+temperature, top-p, min-p and top-k filters and the draw are the same for logits shifted by a
+constant), and only a row that asked for ``logprobs`` reads them. On 2 CPU cores, with 32 rows of
+the default model (49,152 tokens), a decode step took 196 ms with it and 172 ms without (0.88x):
+MLX's CPU ``exp`` runs on one thread, 13 ns an element (design/017).
 
 :func:`install` makes a ``BatchGenerator``'s generation batch a :class:`LeanGenerationBatch`,
 whose step is mlx-lm 0.32.2's (pinned in pyproject.toml) with that one line changed: while no
@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
-from .grammar import BatchMasks, GrammarProcessor, masked
+from ..vocabulary.grammar import BatchMasks, GrammarProcessor, masked
 
 WantsLogprobs = Callable[[Sequence[int]], bool]
 

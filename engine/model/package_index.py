@@ -33,7 +33,7 @@ from urllib.parse import unquote, urldefrag, urljoin, urlsplit
 
 import httpx
 
-from .errors import ModelImportError
+from ..errors import ModelImportError
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """How to run an engine over several ranks (pure Python: the runtime checks it before any MLX).
-The ranks themselves: ``engine/distributed.py`` and ``engine/rank.py``."""
+The ranks themselves: ``engine/ranks/distributed.py`` and ``engine/ranks/rank.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 ParallelKind = Literal["tensor", "pipeline"]
 PARALLEL_KINDS = ("tensor", "pipeline")
@@ -33,7 +33,7 @@ class RankGroup:
             )
 
     def launch_command(self, python: str, args_file: str) -> list[str]:
-        """``mlx.launch`` running this group's ranks (``python -m mlx_trio.engine.rank``)."""
+        """``mlx.launch`` running this group's ranks (``python -m mlx_trio.engine.ranks.rank``)."""
         hosts = ["--hostfile", self.hostfile] if self.hostfile else ["-n", str(self.size)]
         if not self.hostfile and "OPENBLAS_NUM_THREADS" not in os.environ:
             # Local ranks share the cores: OpenBLAS threads spinning on cores another rank
@@ -43,5 +43,5 @@ class RankGroup:
         launch = [str(Path(python).parent / "mlx.launch")]
         if not Path(launch[0]).exists():  # MLX without its scripts (a --target install)
             launch = [python, "-c", "from mlx._distributed_utils.launch import main; main()"]
-        rank = [python, "-m", "mlx_trio.engine.rank", args_file]
+        rank = [python, "-m", "mlx_trio.engine.ranks.rank", args_file]
         return [*launch, "--backend", self.backend, *hosts, "--", *rank]

@@ -31,13 +31,13 @@ import logging
 import os
 from typing import Any
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

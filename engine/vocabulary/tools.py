@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
+from ..params import Grammar
 from .grammar_text import check_bounds
-from .params import Grammar
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -37,7 +37,8 @@ RESPONSE_END = "</tool_response>"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
 # A function given no ``parameters`` takes none (OpenAI: "an empty parameter list").
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-# The arguments' JSON on one line with fixed separators (as ``engine/grammar.py``'s JSON_LAYOUT).
+# The arguments' JSON on one line with fixed separators (as ``engine/vocabulary/grammar.py``'s
+# JSON_LAYOUT).
 CALL_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 GENERIC_INSTRUCTIONS = """\

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
@@ -32,7 +32,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 from .rank_group import ParallelKind, RankGroup
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Lockstep:
 
 def follow(core: Any, lockstep: Lockstep) -> None:
     """A rank other than 0: run rank 0's calls on ``core`` until it stops."""
-    from .calls import answer
+    from ..calls import answer
 
     logger.info("rank %d of %d follows rank 0", lockstep.rank, lockstep.size)
     while True:

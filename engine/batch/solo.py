@@ -19,7 +19,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
@@ -27,10 +27,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from ..generate import Engine
+from ..vocabulary.sampling import with_history
 from .batch_rows import BatchRow, PromptStart
 from .caches import tokens_held
-from .generate import Engine
-from .sampling import with_history
 
 
 @dataclass(slots=True)

@@ -2,11 +2,11 @@
 
 :class:`BatchRow` is what :class:`BatchEngine` keeps for each row it was given: the
 :class:`RowDecoder` it shares with the single-request path, the row's sampler and logits
-processors, where the row is (mlx-lm's batch, parked, or the solo row: ``engine/solo.py``), and
-the tokens it sampled in the current engine call, decoded at the call's end.
+processors, where the row is (mlx-lm's batch, parked, or the solo row: ``engine/batch/solo.py``),
+and the tokens it sampled in the current engine call, decoded at the call's end.
 :class:`PromptStart` is a new row's prompt past what the prompt cache already held.
-:class:`GeneratorRows` is mlx-lm's batch: the ``BatchGenerator`` and the row of each of its
-uids (mlx-lm gives a resumed row a new uid; row ids stay the batch engine's own).
+:class:`GeneratorRows` is mlx-lm's batch: the ``BatchGenerator`` and the row of each of its uids
+(mlx-lm gives a resumed row a new uid; row ids stay the batch engine's own).
 """
 
 from __future__ import annotations
@@ -15,26 +15,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import lean_step
-from .generate import Engine
-from .grammar import rewind
-from .outputs import RowOutput, RowProgress
-from .params import PreparedRequest
-from .prompt_cache import PromptCache
-from .row import RowDecoder
-from .sampling import (
+from ..generate import Engine
+from ..outputs import RowOutput, RowProgress
+from ..params import PreparedRequest
+from ..vocabulary.grammar import rewind
+from ..vocabulary.sampling import (
     LogitsProcessor,
     Sampler,
     make_row_processors,
     repair_random_state,
 )
+from . import lean_step
+from .prompt_cache import PromptCache
+from .row import RowDecoder
 from .schedule import TokenBudget
 
 
@@ -188,9 +188,9 @@ class GeneratorRows:
         self._detached: dict[int, str | None] = {}  # uids to remove, with their rows' salts
         # Caches that cannot rewind (or stop when a window fills) are reused from their exact
         # end only: each prompt but its last token goes to the prompt cache as it is reached
-        # (engine/caches.py).
+        # (engine/batch/caches.py).
         self._checkpoints = engine.prompt_cache is not None and engine.caches.checkpoints
-        # Log-probabilities only while a row wants them (engine/lean_step.py).
+        # Log-probabilities only while a row wants them (engine/batch/lean_step.py).
         lean_step.install(self._generator, self._wants_logprobs)
 
     def _wants_logprobs(self, uids: Iterable[int]) -> bool:

@@ -22,16 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .errors import ModelImportError, UnsupportedModelError
+from ..errors import ModelImportError, UnsupportedModelError
+from ..vocabulary.sampling_defaults import generation_config_from_gguf
 from .gguf_header import read_header
 from .manifest import sha256_file, write_manifest
-from .sampling_defaults import generation_config_from_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ sampler and logits processors, and the same :class:`RowDecoder` as the single-re
 Row ids are this class's own and stay the same across park and resume (mlx-lm gives a resumed
 row a new uid).
 
-The rows, and mlx-lm's batch of them, are in ``engine/batch_rows.py``. A lone generating row
+The rows, and mlx-lm's batch of them, are in ``engine/batch/batch_rows.py``. A lone generating row
 leaves the ``BatchGenerator`` and is stepped by mlx-lm's ``generate_step`` instead, which runs one
-row faster: the batch engine's :class:`SoloRow` (``engine/solo.py``).
+row faster: the batch engine's :class:`SoloRow` (``engine/batch/solo.py``).
 
 A call's steps need not all run inside it: between calls, while the caller hands out the last
 call's tokens, the engine thread runs up to ``steps - 1`` of the next call's steps ahead of it
@@ -29,15 +29,15 @@ from collections.abc import Callable, Iterable
 from concurrent import futures
 from typing import Any
 
+from ..generate import Engine
+from ..outputs import RowEvent, RowFailed, RowProgress
+from ..params import PreparedRequest, SamplingParams
+from ..threads import Shape, shape
+from ..vocabulary.grammar import grammar_failure, request_matcher, rewind
+from ..vocabulary.sampling import Sampler, make_row_sampler, with_injected_fault
 from .batch_rows import BatchRow, GeneratorRows, PromptStart, commit, guard_sampler
-from .generate import Engine
-from .grammar import grammar_failure, request_matcher, rewind
-from .outputs import RowEvent, RowFailed, RowProgress
-from .params import PreparedRequest, SamplingParams
-from .sampling import Sampler, make_row_sampler, with_injected_fault
 from .schedule import TokenBudget
 from .solo import SoloRow
-from .threads import Shape, shape
 
 DEFAULT_PREFILL_CHUNK = 256
 PREFILL_BATCH = 8  # prompts prefilled together, without a budget
@@ -58,7 +58,7 @@ class BatchEngine:
         solo: bool = True,
     ) -> None:
         """``budget``: how much prompt a step prefills beside its decoding rows
-        (``engine/schedule.py``; None: ``prefill_chunk`` tokens for each of up to
+        (``engine/batch/schedule.py``; None: ``prefill_chunk`` tokens for each of up to
         ``PREFILL_BATCH`` prompts, as before the budget); ``prefill_chunk`` also bounds the
         prompt a lone row prefills with ``generate_step``. ``sampler_factory`` builds each
         row's sampler (None: greedy); it is the seam for injecting a failing sampler. ``solo``:
@@ -79,7 +79,7 @@ class BatchEngine:
         self._faults: dict[int, str] = {}  # sampler failures of this step, by row
         self._next_row = 0
         # A lone row leaves mlx-lm's batch with its last token taken back out of its cache:
-        # only where every cache can rewind (engine/caches.py).
+        # only where every cache can rewind (engine/batch/caches.py).
         self._solo = SoloRow(
             engine, prefill_chunk=prefill_chunk, enabled=solo and engine.caches.rewind
         )
@@ -223,7 +223,7 @@ class BatchEngine:
     def can_park(self, row_id: int) -> bool:
         """Whether a row is decoding (in mlx-lm's generation batch, or solo): not prefilling,
         not parked; and the model's caches can give back its last token (a recurrent state
-        cannot: such a row stays in the batch, engine/caches.py)."""
+        cannot: such a row stays in the batch, engine/batch/caches.py)."""
         if not self._engine.caches.rewind:
             return False
         row = self._rows.get(row_id)

@@ -20,7 +20,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer

@@ -10,11 +10,11 @@ Its MLX helper applies the mask with a Metal kernel only, so the mask is applied
 ``mx.where`` on any device.
 
 What llguidance compiles is compiled on threads with a large stack, after bounds, and a
-request's grammar first in a child process (``engine/grammar_text.py``,
-``engine/grammar_sandbox.py``): a grammar that would crash the compiler or take seconds is a
-400 before admission. The engine builds each grammar's matcher once, on such a thread, off its
-step (:class:`Matchers`; the batch engine holds a row back until its matcher is built), and a
-row gets a copy.
+request's grammar first in a child process (``engine/vocabulary/grammar_text.py``,
+``engine/vocabulary/grammar_sandbox.py``): a grammar that would crash the compiler or take seconds
+is a 400 before admission. The engine builds each grammar's matcher once, on such a thread, off its
+step (:class:`Matchers`; the batch engine holds a row back until its matcher is built), and a row
+gets a copy.
 
 A grammar travels in ``SamplingParams.grammar`` (a plain, picklable ``params.Grammar``); the
 engine turns it into one more logits processor for the row (:func:`grammar_processor`), applied
@@ -36,13 +36,13 @@ import llguidance.hf
 import llguidance.numpy as llnumpy
 import numpy as np
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
 
+from ..params import Grammar
 from .grammar_text import COMPILERS, first_line, new_matcher
-from .params import Grammar
 
 
 class GrammarTokenizers:

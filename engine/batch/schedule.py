@@ -11,7 +11,7 @@ engine:
   fills the rest of ``max_iteration_tokens`` with prompt chunks shared evenly by the rows being
   prepared, so decoding rows keep their rhythm while a long prompt is prefilled beside them.
 
-Plain arithmetic, no MLX: the engine's batch (``engine/batch_rows.py``) applies it to mlx-lm's
+Plain arithmetic, no MLX: the engine's batch (``engine/batch/batch_rows.py``) applies it to mlx-lm's
 ``BatchGenerator`` before each step, and the scripted engine (``actors/testing/scripted.py``)
 steps by it, so the actors' tests see the same rules.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 # A chunk smaller than this costs a step's fixed overhead for too few tokens.
 MIN_CHUNK = 16

@@ -4,9 +4,10 @@ A request's grammar (``response_format``, a forced tool call, ``SamplingParams.g
 checked before admission. llguidance's compiler can die on what it is given (a stack overflow
 is a segmentation fault: no exception reaches Python) or spend seconds on it; the serving
 process must do neither. So :class:`GrammarSandbox` sends the grammar to a child
-(``python -m mlx_trio.engine.grammar_sandbox``; it imports llguidance and this package's plain
-modules, no MLX) that builds its matcher exactly as the engine will (``grammar_text.new_matcher``,
-on a thread with the same stack), within a budget of time. The answer is one of:
+(``python -m mlx_trio.engine.vocabulary.grammar_sandbox``; it imports llguidance and this package's
+plain modules, no MLX) that builds its matcher exactly as the engine will
+(``grammar_text.new_matcher``, on a thread with the same stack), within a budget of time. The answer
+is one of:
 
 - it compiled, in so many seconds: the engine may build it (the same build, on the same stack,
   ends the same way), off its step (``grammar.Matchers``);
@@ -45,9 +46,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
+from ..params import Grammar
 from .grammar_text import STACK_BYTES, check_bounds, first_line, grammar_error, new_matcher
-from .params import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ class _Worker:
     @classmethod
     def start(cls, tokenizer: TokenizerSpec, stack_bytes: int) -> _Worker:
         process = subprocess.Popen(
-            [sys.executable, "-m", "mlx_trio.engine.grammar_sandbox"],
+            [sys.executable, "-m", "mlx_trio.engine.vocabulary.grammar_sandbox"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

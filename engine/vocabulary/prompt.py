@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .errors import ContextLengthExceededError, InvalidRequestError
+from ..errors import ContextLengthExceededError, InvalidRequestError
 from .tools import (
     RESPONSE_END,
     RESPONSE_START,
@@ -116,7 +116,8 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
 
     Chats go through the model's chat template with the generation prompt appended; a model
     without a template gets its messages joined one per line. Tools go to a template that
-    renders them, else into the system message in the generic format (``engine/tools.py``).
+    renders them, else into the system message in the generic format
+    (``engine/vocabulary/tools.py``).
     """
     if isinstance(prompt, str):
         if prompt == "":

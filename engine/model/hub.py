@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelImportError, ModelNotFoundError, UnsupportedModelError
+from ..errors import ModelImportError, ModelNotFoundError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

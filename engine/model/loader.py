@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
@@ -26,11 +26,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_config, load_tokenizer
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from ._blas import gfortran_source, openblas_path
-from .errors import InvalidRequestError, UnsupportedModelError
+from .._blas import gfortran_source, openblas_path
+from ..errors import InvalidRequestError, UnsupportedModelError
+from ..vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from .gguf import Progress
 from .model_store import resolve_model
-from .sampling_defaults import NO_DEFAULTS, SamplingDefaults
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
 
-from .errors import ModelImportError, ModelNotFoundError, UnsupportedModelError
+from ..errors import ModelImportError, ModelNotFoundError, UnsupportedModelError
+from ..vocabulary.sampling_defaults import GENERATION_CONFIG, HF_KEYS
 from .gguf import Progress, import_gguf, reporter
 from .gguf_header import is_gguf
 from .hub import parse_hub_id, pull_hub_model
@@ -45,7 +46,6 @@ from .manifest import (
     write_manifest,
 )
 from .package_index import Fetcher, Indexes, configured_indexes
-from .sampling_defaults import GENERATION_CONFIG, HF_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def resolve_model(spec: str | None, *, progress: Progress | None = None) -> Reso
     ``config.json``; a GGUF file is imported once into the cache, keyed by its SHA-256 (a
     known one, ``KNOWN_SOURCES``, with its source's sampling defaults); a Hugging Face id
     (``org/name[@revision]``) that is no path here is fetched into the hub's cache
-    (``engine/hub.py``).
+    (``engine/model/hub.py``).
     Raises ModelNotFoundError for a missing path and UnsupportedModelError for anything else
     it cannot use; a failed import leaves the cache as it was.
     """

@@ -1,4 +1,5 @@
-"""One rank of an engine group (``python -m mlx_trio.engine.rank ARGS``, run by ``mlx.launch``).
+"""One rank of an engine group (``python -m mlx_trio.engine.ranks.rank ARGS``, run by
+``mlx.launch``).
 
 ``ARGS`` is a pickled :class:`RankArgs` that the runtime wrote. Every rank builds the engine and
 splits its model (``distributed.build_rank``) as it boots its core (``options.boot_core``), all
@@ -18,8 +19,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from multiprocessing.connection import Connection
 
+from ..options import CoreRecipe, boot_core
 from .distributed import build_rank, follow
-from .options import CoreRecipe, boot_core
 from .rank_group import RankGroup
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def main(args_file: str) -> None:
 
     rank = mx.distributed.init(strict=True, backend=args.group.backend).rank()
     if rank == 0:
-        from .child import serve_engine
+        from ..child import serve_engine
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(args.socket_path)
