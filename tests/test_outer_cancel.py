@@ -204,6 +204,10 @@ def test_ctrl_c_with_streams_open_ends_every_stream_and_propagates():
                 handles.append(await rt.submit(GenerationRequest(f"prompt {i}", LONG)))
             while rt.statistics().active_rows < 4:
                 await trio.sleep(0.01)
+            # Else the signal would never arrive and, on the MockClock, the run spin forever.
+            handler = signal.getsignal(signal.SIGINT)
+            assert getattr(handler, "__module__", "").startswith("trio"), handler  # Trio's own
+            assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
             signal.raise_signal(signal.SIGINT)
             await trio.sleep_forever()
 
