@@ -18,14 +18,14 @@ from typing import Any, Literal
 import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Send
 
 from ..actors.messages import Completed, Progress, TextDelta, Usage
 from ..engine.vocabulary.reply import Called, Content, Piece, Reasoning, ReplySplitter
 from . import anthropic_format as fmt
 from .http_errors import first_failure, outcome_error
 from .http_exchange import Exchange
-from .http_responses import cancel_on_disconnect
+from .http_responses import SseResponse, cancel_on_disconnect
 from .inprocess import SessionHandle
 from .openai_format import Reply
 
@@ -142,41 +142,14 @@ class Blocks:
         await self._write("content_block_delta", {"index": self._index, "delta": delta})
 
 
-class MessageStream:
+class MessageStream(SseResponse):
     """An SSE response of Anthropic's events (see the module docstring)."""
 
     def __init__(
         self, turn: Turn, live: dict[str, list[SessionHandle]], headers: dict[str, str]
     ) -> None:
-        """``live``: the running requests by id, where this one is listed while it streams (so
-        that it can be cancelled by id)."""
+        super().__init__(turn.exchange, live, headers)
         self.turn = turn
-        self.live = live
-        self.headers = headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex = self.turn.exchange
-        self.live[ex.request_id] = ex.handles
-        headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            *[(k.lower().encode(), v.encode()) for k, v in self.headers.items()],
-        ]
-        status = 200
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cancel_on_disconnect, receive, ex.handles)
-                await self._stream(send)
-                nursery.cancel_scope.cancel()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:
-            status = 499
-            for handle in ex.handles:
-                handle.cancel_nowait("consumer_closed")
-        finally:
-            del self.live[ex.request_id]
-            ex.log(status)
 
     async def _stream(self, send: Send) -> None:
         turn, ex = self.turn, self.turn.exchange

@@ -101,24 +101,18 @@ async def complete(request: Request, ex: Exchange, headers: dict[str, str]) -> R
     )
 
 
-class EventStream:
-    """An SSE response: chunks as the sessions produce them, then ``[DONE]``."""
+class SseResponse:
+    """An SSE answer to one exchange: the stream's head, the body ``_stream`` writes, and the
+    end; a client that disconnects cancels the sessions ``consumer_closed``. Listed in ``live``
+    (the running requests by id) while it streams, so that it can be cancelled by id; logged
+    once, with 499 for a client gone. Each API's stream is one of these."""
 
     def __init__(
-        self,
-        exchange: Exchange,
-        live: dict[str, list[SessionHandle]],
-        include_usage: bool,
-        headers: dict[str, str],
+        self, exchange: Exchange, live: dict[str, list[SessionHandle]], headers: dict[str, str]
     ) -> None:
-        """``live``: the running requests by id, where this one is listed while it streams (so
-        that it can be cancelled by id)."""
         self.ex = exchange
         self.live = live
-        self.include_usage = include_usage
         self.headers = headers
-        # Logprobs of tokens whose text a reply splitter holds, by choice, until it is sent.
-        self._held_logprobs: dict[int, list[TokenLogprob]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = self.ex
@@ -143,6 +137,26 @@ class EventStream:
         finally:
             del self.live[ex.request_id]
             ex.log(status)
+
+    async def _stream(self, send: Send) -> None:
+        """Write the body's events (``more_body``), until the sessions end."""
+        raise NotImplementedError
+
+
+class EventStream(SseResponse):
+    """OpenAI's SSE response: chunks as the sessions produce them, then ``[DONE]``."""
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        live: dict[str, list[SessionHandle]],
+        include_usage: bool,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(exchange, live, headers)
+        self.include_usage = include_usage
+        # Logprobs of tokens whose text a reply splitter holds, by choice, until it is sent.
+        self._held_logprobs: dict[int, list[TokenLogprob]] = {}
 
     async def _stream(self, send: Send) -> None:
         ex = self.ex

@@ -17,7 +17,7 @@ from typing import Any
 import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Send
 
 from ..actors.messages import Cancelled, Completed, Event, Failed, Progress, TextDelta
 from ..engine.vocabulary.prompt import ChatMessage
@@ -25,7 +25,7 @@ from ..engine.vocabulary.reply import ReplySplitter, ReplySyntax
 from ..engine.vocabulary.tools import ToolCall
 from .http_errors import first_failure, outcome_error
 from .http_exchange import Exchange
-from .http_responses import cancel_on_disconnect, sse
+from .http_responses import SseResponse, cancel_on_disconnect, sse
 from .inprocess import SessionHandle
 from .responses_format import Output, Status, response_body, usage_body
 from .responses_schemas import ResponsesRequest
@@ -160,42 +160,15 @@ async def respond(request: Request, run: ResponseRun, headers: dict[str, str]) -
     return JSONResponse(body, headers=headers)
 
 
-class ResponseEventStream:
+class ResponseEventStream(SseResponse):
     """The SSE answer: the Responses API's events as the reply is made."""
 
     def __init__(
         self, run: ResponseRun, live: dict[str, list[SessionHandle]], headers: dict[str, str]
     ) -> None:
-        """``live``: the running requests by id, where this one is listed while it streams (so
-        that it can be cancelled by id)."""
+        super().__init__(run.ex, live, headers)
         self.run = run
-        self.live = live
-        self.headers = headers
         self.sequence_number = 0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex = self.run.ex
-        self.live[ex.request_id] = ex.handles
-        headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            *[(k.lower().encode(), v.encode()) for k, v in self.headers.items()],
-        ]
-        status = 200
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cancel_on_disconnect, receive, ex.handles)
-                await self._stream(send)
-                nursery.cancel_scope.cancel()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:
-            status = 499
-            for handle in ex.handles:
-                handle.cancel_nowait("consumer_closed")
-        finally:
-            del self.live[ex.request_id]
-            ex.log(status)
 
     async def _stream(self, send: Send) -> None:
         run = self.run
