@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import warnings
 
 import pytest
 
@@ -24,26 +22,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         slow_files = {item.path for item in items if item.get_closest_marker("slow")}
         items.sort(key=lambda item: item.path not in slow_files)  # stable
-
-
-SIGINT_AT_START = signal.getsignal(signal.SIGINT)
-SIGINT_BLOCKED_AT_START = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-
-
-@pytest.fixture(autouse=True)
-def sigint_as_at_start(request: pytest.FixtureRequest):
-    """Ctrl-C as the session began: a test (or a fixture) that leaves SIGINT ignored, handled
-    or blocked in this worker would make a later test's Ctrl-C never arrive (under a MockClock
-    that waits forever, at full CPU: it hung CI once). Put back, with a warning naming the
-    test it was found after."""
-    yield
-    if signal.getsignal(signal.SIGINT) is not SIGINT_AT_START:
-        warnings.warn(f"SIGINT's handler changed by {request.node.nodeid}", stacklevel=1)
-        signal.signal(signal.SIGINT, SIGINT_AT_START)
-    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    if blocked and not SIGINT_BLOCKED_AT_START:
-        warnings.warn(f"SIGINT blocked by {request.node.nodeid}", stacklevel=1)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 @pytest.fixture(scope="session")
