@@ -44,7 +44,7 @@ NO_EFFECT_FIELDS = frozenset(
     }
 )
 # Anthropic's fields that would change what is generated, not served here: a 400 when set.
-UNSUPPORTED_FIELDS = frozenset({"mcp_servers", "container", "output_format"})
+UNSUPPORTED_FIELDS = frozenset({"mcp_servers", "container"})
 # What each block type the API defines becomes where it is not served (a 400 naming it).
 KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
@@ -229,8 +229,8 @@ class _Conversation(Body):
                         param=name,
                         code="unsupported",
                     )
-            elif name == "output_config":
-                _check_output_config(value)
+            elif name in ("output_config", "output_format"):
+                pass  # the format is read by ``output_schema``; ``effort`` changes nothing
             elif name not in NO_EFFECT_FIELDS:
                 log_ignored(name, "Anthropic's Messages API")
         check_choice(self.offered_tools, self.choice)
@@ -283,15 +283,30 @@ class _Conversation(Body):
         return Chat(tuple(turns), self.tools_in_prompt, kwargs)
 
 
-def _check_output_config(value: Any) -> None:
-    """``output_config``: its ``effort`` is accepted without effect; a ``format`` (structured
-    output) is refused until it is served."""
-    if isinstance(value, dict) and value.get("format"):
-        raise InvalidRequestError(
-            "output_config.format is not supported by this server yet",
-            param="output_config.format",
-            code="unsupported",
-        )
+def output_schema(extra: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """Structured output asked for, as (the field that asked, its JSON schema):
+    ``output_config.format`` or the older ``output_format``, each ``{"type": "json_schema",
+    "schema": {...}}``; None for neither. Any other shape is a 400 naming the field."""
+    config = extra.get("output_config")
+    found = [
+        ("output_config.format", config.get("format") if isinstance(config, dict) else None),
+        ("output_format", extra.get("output_format")),
+    ]
+    for param, given in found:
+        if given is None:
+            continue
+        if not isinstance(given, dict) or given.get("type") != "json_schema":
+            raise InvalidRequestError(
+                f"{param}: only type json_schema is served", param=f"{param}.type"
+            )
+        schema = given.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(
+                f"{param}: a json_schema format needs its schema as an object",
+                param=f"{param}.schema",
+            )
+        return param, schema
+    return None
 
 
 class CountTokensRequest(_Conversation):
@@ -319,10 +334,28 @@ class MessagesRequest(_Conversation):
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop_sequences or ())
 
+    def check_fields(self) -> None:
+        super().check_fields()
+        self.output_format  # noqa: B018  (a malformed format is a 400 here, before admission)
+
+    @functools.cached_property
+    def output_format(self) -> tuple[str, dict[str, Any]] | None:
+        """Structured output: the field that asked for it and its JSON schema."""
+        return output_schema(self.model_extra or {})
+
     @functools.cached_property
     def grammar(self) -> Grammar | None:
-        """A forced tool call's grammar (``tool_choice`` ``any`` or ``tool``), else none."""
-        choice = self.choice
+        """A forced tool call's grammar (``tool_choice`` ``any`` or ``tool``), or the output
+        format's JSON schema; both at once cannot hold one reply (a 400)."""
+        choice, output = self.choice, self.output_format
+        if choice.forces_call and output is not None:
+            raise InvalidRequestError(
+                f"a forced tool call (tool_choice any or tool) and {output[0]} cannot hold one "
+                "reply together",
+                param="tool_choice",
+            )
+        if output is not None:
+            return Grammar.json_schema(output[1])
         if not choice.forces_call:
             return None
         parallel = not (self.tool_choice and self.tool_choice.disable_parallel_tool_use)
@@ -347,7 +380,8 @@ class MessagesRequest(_Conversation):
         )
 
     def field_names(self) -> Mapping[str, str]:
-        return {"prompt": "messages", "grammar": "tools", "stop": "stop_sequences"}
+        grammar = self.output_format[0] if self.output_format is not None else "tools"
+        return {"prompt": "messages", "grammar": grammar, "stop": "stop_sequences"}
 
 
 FIELD_NAMES = fields_of(

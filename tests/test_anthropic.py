@@ -310,6 +310,35 @@ def error_of(answer: httpx.Response) -> tuple[int, str, str]:
             },
             "a final assistant turn",
         ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": user("hi"),
+                "output_config": {"format": {"type": "regex", "pattern": "a"}},
+            },
+            "output_config.format: only type json_schema",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": user("hi"),
+                "output_format": {"type": "json_schema"},
+            },
+            "output_format: a json_schema format needs its schema",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": user("hi"),
+                "tools": [LOOKUP],
+                "tool_choice": {"type": "any"},
+                "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+            },
+            "a forced tool call (tool_choice any or tool) and output_config.format",
+        ),
     ],
 )
 def test_a_bad_request_is_a_400_invalid_request_error_naming_it(http: httpx.Client, body, named):

@@ -1,9 +1,11 @@
 """The Anthropic Messages API on the real default model through the official ``anthropic`` SDK,
 on both engine transports: a text turn, ``messages.stream``, a tool-use round trip (the call
-forced by ``tool_choice`` ``any``, its result sent back) and count_tokens."""
+forced by ``tool_choice`` ``any``, its result sent back), count_tokens, and a reply held to
+``output_config.format``'s JSON schema."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
@@ -24,6 +26,7 @@ WEATHER = {
         "additionalProperties": False,
     },
 }
+JSON_FORMAT = {"type": "json_schema"}
 # The SDK (2.x) no longer takes temperature as an argument; the API still does.
 GREEDY = {"temperature": 0}
 
@@ -48,6 +51,24 @@ def test_a_text_turn_and_its_stream_answer_paris(default_model_server: ServerThr
     counted = client.messages.count_tokens(model=model, messages=QUESTION)  # type: ignore[arg-type]
     usage = message.usage
     assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == counted.input_tokens > 10
+
+
+def test_output_config_format_holds_the_reply_to_its_schema(default_model_server: ServerThread):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    message = sdk(default_model_server).messages.create(
+        model=model_id(default_model_server),
+        max_tokens=48,
+        messages=QUESTION,  # type: ignore[arg-type]
+        extra_body=GREEDY | {"output_config": {"format": JSON_FORMAT | {"schema": schema}}},
+    )
+    assert message.stop_reason == "end_turn"
+    reply = json.loads(message.content[0].text)  # type: ignore[union-attr]
+    assert set(reply) == {"city"} and isinstance(reply["city"], str)
 
 
 def test_a_forced_tool_use_and_its_result_round_trip(default_model_server: ServerThread):
