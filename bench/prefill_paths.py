@@ -116,13 +116,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (both paths)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--fresh-lengths",
+        action="store_true",
+        help="new prompts (new lengths) each round, so each round meets shapes not compiled yet",
+    )
     args = parser.parse_args()
     model = llama_of(args.shape)
     paths = {"batched (left-padded)": batched, "alone, then batched": alone_then_batched}
     best: dict[str, float] = {}
     answers: dict[str, list[int]] = {}
     for round_ in range(args.rounds + 1):  # round 0 compiles every shape: not counted
-        prompts = prompts_of(args.prompts, args.tokens, SHAPES[args.shape]["vocab_size"], round_)
+        seed = round_ if args.fresh_lengths else 0
+        prompts = prompts_of(args.prompts, args.tokens, SHAPES[args.shape]["vocab_size"], seed)
         total = sum(len(p) for p in prompts)
         for name, path in paths.items():
             seconds, tokens = timed(functools.partial(path, model, prompts, args.chunk))
