@@ -35,6 +35,16 @@ SHAPE_1B = dict(
     num_key_value_heads=8,
     head_dim=64,
 )
+# Llama-3.1-8B's shape (its embedding and LM head untied), for the long-prompt runs (issue 38).
+SHAPE_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
 SHAPE_QUICK = dict(
     hidden_size=128,
     num_hidden_layers=2,
@@ -45,12 +55,14 @@ SHAPE_QUICK = dict(
 )
 
 
-def model_args(quick: bool) -> ModelArgs:
+def model_args(quick: bool, shape: str = "1b") -> ModelArgs:
+    """The model's arguments: the 1B shape (``shape`` "8b": Llama-3.1-8B's), or ``quick``'s."""
+    layers = SHAPE_QUICK if quick else SHAPE_8B if shape == "8b" else SHAPE_1B
     return ModelArgs(
         model_type="llama",
         vocab_size=VOCAB,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
+        **{"tie_word_embeddings": True, **layers},  # type: ignore[arg-type]
         rope_theta=500000.0,
         rope_scaling={
             "factor": 32.0,
@@ -60,14 +72,13 @@ def model_args(quick: bool) -> ModelArgs:
             "rope_type": "llama3",
         },
         max_position_embeddings=CONTEXT_LENGTH,
-        **(SHAPE_QUICK if quick else SHAPE_1B),
     )
 
 
-def make_model(quick: bool, quantized: bool) -> Model:
+def make_model(quick: bool, quantized: bool, shape: str = "1b") -> Model:
     """Random weights in bfloat16; ``quantized``: then 4-bit, group 64 (mlx-lm's default)."""
     return random_llama(
-        model_args(quick), dtype=mx.bfloat16, quantize_bits=4 if quantized else None
+        model_args(quick, shape), dtype=mx.bfloat16, quantize_bits=4 if quantized else None
     )
 
 
