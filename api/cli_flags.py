@@ -169,6 +169,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         prompt_cache_bytes=getattr(args, "prompt_cache_bytes", None),
         max_preparation_tokens=getattr(args, "max_preparation_tokens", None),
         max_iteration_tokens=getattr(args, "max_iteration_tokens", None),
+        prefill_alone_from=getattr(args, "prefill_alone_from", None),
         engine_process=None if engine in (None, "auto") else engine == "process",
         ranks=rank_group(args),
     )

@@ -11,6 +11,7 @@ from .cli_args import (
     MAX_BYTES,
     MAX_ROWS,
     MAX_SESSIONS,
+    MAX_TOKENS,
     PORT,
     TOKENS,
     given,
@@ -169,6 +170,14 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens a batch step processes: one per decoding row, the rest prompt chunks "
         "(default: the device's, 256 on CPU, 8192 on GPU)",
+    )
+    serve.add_argument(
+        "--prefill-alone-from",
+        type=integer(0, MAX_TOKENS),
+        default=None,
+        metavar="TOKENS",
+        help="prompts with at least this many tokens to prefill go one at a time, not in the "
+        "padded batch (0: never; default: the device's, never on CPU, 512 on GPU)",
     )
     serve.add_argument(
         "--engine-restarts",

@@ -8,7 +8,10 @@ greedy; the first tokens must agree.
     python -m bench.prefill_paths --shape 1b --prompts 16 --tokens 2048 --rounds 3
 
 Prints prompt tokens a second for each path (best of the rounds after a warm-up round, which
-compiles the kernels of every shape) and their ratio. Random weights of a Llama shape.
+compiles the kernels of every shape) and their ratio. Random weights of a Llama shape. The
+alone path runs unpadded and with its last chunks padded (the engine's way): with
+``--fresh-lengths`` each round's prompts have new lengths, so a path whose shapes do not repeat
+compiles kernels again every round.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import functools
 import random
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 from mlx_trio.engine import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
@@ -25,8 +29,8 @@ from mlx_trio.engine import _blas  # noqa: F401  (loads OpenBLAS: before MLX bel
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_trio.engine.batch.alone import PAD_GRANULE, AlonePrefill
 from mlx_trio.engine.model.random_model import random_llama
 
 SHAPES = {
@@ -75,17 +79,19 @@ def batched(model: llama.Model, prompts: list[list[int]], chunk: int) -> list[in
     return [firsts[u] for u in uids]
 
 
-def alone_then_batched(model: llama.Model, prompts: list[list[int]], chunk: int) -> list[int]:
-    """Each prompt but its last token prefilled alone (causal mask), its cache then inserted
-    with that last token, as a prompt-cache hit is."""
-    caches = []
-    for prompt in prompts:
-        cache = make_prompt_cache(model)
-        ids = mx.array(prompt[:-1])[None]
-        for start in range(0, ids.shape[1], chunk):
-            model(ids[:, start : start + chunk], cache=cache)
-            mx.eval([c.state for c in cache])
-        caches.append(cache)
+def alone_then_batched(
+    model: llama.Model, prompts: list[list[int]], chunk: int, pad: bool = False
+) -> list[int]:
+    """Each prompt but its last token prefilled alone (causal mask) by the engine's
+    ``AlonePrefill`` (``pad``: its last chunk padded to a multiple of ``PAD_GRANULE``), its cache
+    then inserted with that last token, as a prompt-cache hit is."""
+    alone = AlonePrefill(model, max_chunk=chunk, checkpoints=False, pad=pad)
+    for i, prompt in enumerate(prompts):
+        alone.add(SimpleNamespace(id=i, cache_salt=None), prompt, None, None)  # type: ignore[arg-type]
+    ready: dict[int, list] = {}
+    while len(alone):
+        for entry in alone.step(4 * chunk, lambda *_: None)[1]:
+            ready[entry.row.id] = entry.caches
     generator = BatchGenerator(
         model, max_tokens=1, prefill_batch_size=len(prompts), prefill_step_size=chunk,
         completion_batch_size=len(prompts),
@@ -93,7 +99,7 @@ def alone_then_batched(model: llama.Model, prompts: list[list[int]], chunk: int)
     uids = generator.insert(
         [p[-1:] for p in prompts],
         max_tokens=[1] * len(prompts),
-        caches=caches,
+        caches=[ready[i] for i in range(len(prompts))],
         all_tokens=[p[:-1] for p in prompts],
     )
     firsts = first_tokens(generator, uids)
@@ -123,7 +129,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     model = llama_of(args.shape)
-    paths = {"batched (left-padded)": batched, "alone, then batched": alone_then_batched}
+    paths = {
+        "batched (left-padded)": batched,
+        "alone, then batched": alone_then_batched,
+        f"alone, last chunk padded to {PAD_GRANULE}": functools.partial(
+            alone_then_batched, pad=True
+        ),
+    }
     best: dict[str, float] = {}
     answers: dict[str, list[int]] = {}
     for round_ in range(args.rounds + 1):  # round 0 compiles every shape: not counted
@@ -131,17 +143,21 @@ def main() -> None:
         prompts = prompts_of(args.prompts, args.tokens, SHAPES[args.shape]["vocab_size"], seed)
         total = sum(len(p) for p in prompts)
         for name, path in paths.items():
-            seconds, tokens = timed(functools.partial(path, model, prompts, args.chunk))
+            seconds, tokens = timed(functools.partial(path, model, prompts, args.chunk))  # type: ignore[operator]
             answers[name] = tokens
             if round_:
                 best[name] = min(best.get(name, float("inf")), seconds)
             print(f"round {round_} {name}: {seconds:.3f} s, {total / seconds:,.0f} prompt tok/s")
-        same = sum(a == b for a, b in zip(*answers.values(), strict=True))
-        print(f"round {round_}: first tokens agree for {same} of {len(prompts)} prompts")
-    base, alone = best["batched (left-padded)"], best["alone, then batched"]
-    print(f"{args.shape}, {args.prompts} prompts of {args.tokens * 3 // 4}-{args.tokens} tokens, "
-          f"chunk {args.chunk}: alone-then-batched takes {alone / base:.2f}x the batched "
-          f"time ({base / alone:.2f}x its speed)")  # fmt: skip
+        base = answers["batched (left-padded)"]
+        for name, tokens in answers.items():
+            same = sum(a == b for a, b in zip(base, tokens, strict=True))
+            print(f"round {round_}: {name}: first tokens agree with batched for {same} of "
+                  f"{len(prompts)} prompts")  # fmt: skip
+    base = best["batched (left-padded)"]
+    for name, seconds in best.items():
+        print(f"{args.shape}, {args.prompts} prompts of {args.tokens * 3 // 4}-{args.tokens} "
+              f"tokens, chunk {args.chunk}: {name} takes {seconds / base:.2f}x the batched "
+              f"time ({base / seconds:.2f}x its speed)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -256,12 +256,14 @@ class Engine:
         prompt_cache_bytes: int | None = 0,
         max_preparation_tokens: int | None = None,
         max_iteration_tokens: int | None = None,
+        prefill_alone_from: int | None = None,
         memory_limit: MemoryLimit | None = None,
         split: Callable[[Any], None] | None = None,
         fuse: bool | None = None,
     ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
-        budget is the device's (``default_budget``), with the two limits given overriding it.
+        budget is the device's (``default_budget``), with the limits given overriding it
+        (``prefill_alone_from`` 0: no prompt prefills alone).
         ``split``: a rank keeps its part of the model, before its weights are read
         (``loader.load_model``). ``fuse``: one matmul for the projections that read the same
         input (``engine/model/fused.py``; None: its default, on a GPU; never for a rank's part)."""
@@ -269,14 +271,20 @@ class Engine:
         if split is None and fused.wanted(loaded.device, given=fuse):
             fused.fuse_projections(loaded.model)
         budget = default_budget(
-            loaded.device, preparation=max_preparation_tokens, iteration=max_iteration_tokens
+            loaded.device,
+            preparation=max_preparation_tokens,
+            iteration=max_iteration_tokens,
+            alone_from=prefill_alone_from,
         )
         logger.info(
             "token budget: %d prompt tokens prepared at once, %d tokens an iteration, "
-            "chunks of at most %d",
+            "chunks of at most %d; %s",
             budget.max_preparation_tokens,
             budget.max_iteration_tokens,
             budget.max_chunk,
+            "no prompt prefilled alone"
+            if budget.alone_from is None
+            else f"prompts of {budget.alone_from}+ tokens prefilled alone",
         )
         return cls(
             loaded,

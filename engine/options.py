@@ -36,8 +36,10 @@ class EngineOptions:
     cache's budget (None: an eighth of memory, at most 8 GiB; 0: off). ``memory_limit``: the
     memory budget (None: 0.9 of a GPU's memory, 0.5 of the CPU's; design/015).
     ``max_preparation_tokens`` and ``max_iteration_tokens``: the batch's token budget
-    (``engine/batch/schedule.py``; None: the device's). ``fuse``: one matmul for the projections
-    that read the same input (``engine/model/fused.py``; None: on a GPU). ``engine_process``: run
+    (``engine/batch/schedule.py``; None: the device's); ``prefill_alone_from``: prompts this long
+    prefill one row at a time (0: never; None: the device's). ``fuse``: one matmul for the
+    projections that read the same input (``engine/model/fused.py``; None: on a GPU).
+    ``engine_process``: run
     the model in a child process instead of on a thread beside the event loop (None: a process on a
     GPU, design/009). ``ranks``: run it over a group of ranks that ``mlx.launch`` starts, the model
     split over them (design/020; the prompt cache is off there). ``warm_up``: compile the kernels of
@@ -50,13 +52,14 @@ class EngineOptions:
     memory_limit: MemoryLimit | None = None
     max_preparation_tokens: int | None = None
     max_iteration_tokens: int | None = None
+    prefill_alone_from: int | None = None
     fuse: bool | None = None
     engine_process: bool | None = None
     ranks: RankGroup | None = None
     warm_up: bool = True
 
     def __post_init__(self) -> None:
-        check_at_least(self, 0, "prompt_cache_bytes")
+        check_at_least(self, 0, "prompt_cache_bytes", "prefill_alone_from")
         check_at_least(self, 1, "max_preparation_tokens", "max_iteration_tokens")
         if self.device not in ("auto", "cpu", "gpu"):
             raise InvalidRequestError(
@@ -78,6 +81,7 @@ class EngineOptions:
             prompt_cache_bytes=self.prompt_cache_bytes,
             max_preparation_tokens=self.max_preparation_tokens,
             max_iteration_tokens=self.max_iteration_tokens,
+            prefill_alone_from=self.prefill_alone_from,
             memory_limit=limit,
             fuse=self.fuse,
         )

@@ -9,7 +9,9 @@ uses, on the calling thread (the engine thread): one short single-request genera
 where every row is decoding at once at the top (rows enter eight at a time, so this also runs the
 multiples of eight on the way up and down), one sampled batch, single-row prompts that select
 each quantized-matmul tile, one full prefill chunk of ``prefill_chunk`` tokens for a prefill
-group, and a group of chat-sized prompts; a group's prompts are of unequal lengths, as a real
+group, a group of chat-sized prompts, and where long prompts are prefilled one row at a time
+(``engine/batch/alone.py``) every padded length of a last chunk, at the start of a prompt and
+after one whole chunk; a group's prompts are of unequal lengths, as a real
 burst's are (padded, their attention takes a mask: a first burst after startup waited 5.9 s on
 an H200 while those kernels compiled, design/017). Compiled kernels are kept for the process
 and on disk (``MLX_PTX_CACHE_DIR``, by default ``$TMPDIR/mlx/<version>/ptx``): with that
@@ -33,6 +35,7 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 # isort: split
 import mlx.core as mx
 
+from .batch.alone import PAD_GRANULE
 from .batch.batch import BatchEngine
 from .batch.schedule import MIN_CHUNK, TokenBudget
 from .errors import EngineError
@@ -50,7 +53,7 @@ CHAT_PROMPT = 64
 QMM_TILES = (16, 32, 64)
 SERIAL_NEW_TOKENS = 4
 
-BatchLane = Literal["batch", "sampled", "prefill"]
+BatchLane = Literal["batch", "sampled", "prefill", "alone"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,12 @@ def plan(
     if budget is not None:
         burst = max(1, min(max_batch, budget.max_preparation_tokens // budget.max_chunk))
         runs.append(("prefill", burst, budget.max_chunk + 1, 2))
+    if budget is not None and budget.alone_from is not None and max_batch > 1:
+        # Rows of every padded last-chunk length (PAD_GRANULE, 2 x PAD_GRANULE, ... a whole
+        # chunk) past ``prompt_tokens - 1`` tokens: alone, a prompt's attention reads them all.
+        lengths = max(1, budget.max_chunk // PAD_GRANULE)
+        for start in (1, budget.max_chunk + 1):
+            runs.append(("alone", min(lengths, max_batch), start, 1))
     return runs
 
 
@@ -186,11 +195,14 @@ def _batch(
         # Rows prefilled together get unequal lengths, as a real burst's prompts have: mlx-lm
         # pads them on the left, and a padded batch's attention takes a mask of its own.
         length = prompt_tokens - (row % 3 if lane == "prefill" and rows > 1 else 0)
+        if lane == "alone":
+            length = prompt_tokens + (row + 1) * PAD_GRANULE
         prompt = _prompt(engine, length, row + 1)
         batch.add(PreparedRequest(prompt_tokens=prompt, params=params))
     # Each step decodes every generating row once and prefills a chunk of some rows (with a
     # budget, chunks may be as small as MIN_CHUNK, and a small one prepares a row at a time).
-    chunks = math.ceil(prompt_tokens / min(prefill_chunk, MIN_CHUNK)) + 1
+    longest = prompt_tokens + (rows * PAD_GRANULE if lane == "alone" else 0)
+    chunks = math.ceil(longest / min(prefill_chunk, MIN_CHUNK)) + 1
     max_steps = rows * chunks + new_tokens + 8
     for _ in range(max_steps):
         if batch.num_rows == 0:

@@ -38,8 +38,13 @@ def test_each_device_has_its_budget_and_a_flag_overrides_one_limit():
     cpu, gpu = default_budget("cpu"), default_budget("gpu")
     assert gpu.max_chunk > cpu.max_chunk and gpu.max_iteration_tokens > cpu.max_iteration_tokens
     assert default_budget("gpu", iteration=1000) == TokenBudget(
-        gpu.max_preparation_tokens, 1000, gpu.max_chunk
+        gpu.max_preparation_tokens, 1000, gpu.max_chunk, gpu.alone_from
     )
+    # Long prompts prefill one row at a time on a GPU only; 0 turns that off, a count moves it.
+    assert gpu.alone_from is not None and cpu.alone_from is None
+    assert default_budget("gpu", alone_from=0).alone_from is None
+    assert default_budget("cpu", alone_from=300).prefills_alone(300)
+    assert not default_budget("cpu", alone_from=300).prefills_alone(299)
     message = r"^max_preparation_tokens must be at least 1, got 0$"
     with pytest.raises(InvalidRequestError, match=message) as refused:
         TokenBudget(0, 256)

@@ -259,8 +259,13 @@ def test_batch_rows_added_and_removed_mid_flight_match_solo_runs(tiny_engine):
 
 @pytest.mark.parametrize(
     "budget",
-    [TokenBudget(24, 12, 8), TokenBudget(1, 6, 4), TokenBudget(4096, 4096, 64)],
-    ids=["tight", "one prompt at a time, tiny chunks", "everything at once"],
+    [
+        TokenBudget(24, 12, 8),
+        TokenBudget(1, 6, 4),
+        TokenBudget(4096, 4096, 64),
+        TokenBudget(24, 12, 8, alone_from=6),
+    ],
+    ids=["tight", "one prompt at a time, tiny chunks", "everything at once", "long ones alone"],
 )
 def test_greedy_rows_under_any_token_budget_match_solo_runs(tiny_engine, budget):
     params = SamplingParams(temperature=0, max_tokens=12)

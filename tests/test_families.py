@@ -29,6 +29,7 @@ from mlx_trio.api.inprocess import Collected, RuntimeHandle, open_runtime
 from mlx_trio.api.server import ServeOptions
 from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.batch.caches import CacheAbilities
+from mlx_trio.engine.batch.schedule import TokenBudget
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.model.random_model import in_memory
 from mlx_trio.engine.options import EngineOptions
@@ -106,6 +107,22 @@ def test_a_repeated_request_reuses_the_prompt_cache_and_answers_the_same(family)
     batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)  # the batch lane
     assert run_batch(batch, requests) == want
     assert engine.prompt_cache.statistics().hits == hits + 2
+
+
+# Prompts of 6 tokens or more prefilled one row at a time, in chunks of 8 (the GPU's way): the
+# last chunk padded where the caches trim exactly, never where a state would read the padding.
+ALONE = TokenBudget(max_preparation_tokens=64, max_iteration_tokens=24, max_chunk=8, alone_from=6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_prompts_prefilled_alone_give_mlx_lms_greedy_text(family):
+    engine = make_engine(family, prompt_cache_bytes=1 << 26)
+    requests = [engine.prepare(p, GREEDY) for p in PROMPTS]
+    follow_up = engine.prepare(PROMPTS[0] + " and then the dog sat on the mat too", GREEDY)
+    want = expected(engine, [*requests, follow_up])
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=8, budget=ALONE)
+    assert run_batch(batch, requests) == want[:4]
+    assert run_batch(batch, [follow_up, requests[1]]) == [want[4], want[1]]
 
 
 @pytest.mark.parametrize("family", RECURRENT)

@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_trio.engine.batch.batch import BatchEngine
+from mlx_trio.engine.batch.schedule import TokenBudget
 from mlx_trio.engine.budget import MemoryLimit
 from mlx_trio.engine.core import EngineCore
 from mlx_trio.engine.generate import Engine
@@ -40,9 +41,9 @@ def serial(engine: Engine, prompt: str, salt: str | None = None) -> tuple[list[i
 
 
 def batched(
-    engine: Engine, prompts: list[str], salt: str | None = None
+    engine: Engine, prompts: list[str], salt: str | None = None, budget: TokenBudget | None = None
 ) -> list[tuple[list[int], int]]:
-    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16, budget=budget)
     rows = [batch.add(prepare(engine, p, salt)) for p in prompts]
     tokens: dict[int, list[int]] = {row: [] for row in rows}
     cached: dict[int, int] = {}
@@ -140,6 +141,34 @@ def test_a_cancelled_row_commits_what_it_prefilled(loaded):
     ((tokens, cached),) = batched(engine, [long_prompt])
     assert cached >= 32
     assert tokens == reference(loaded, long_prompt)
+
+
+# Prompts of 8 tokens or more prefilled one row at a time, in chunks of 16 (the GPU's way).
+ALONE = TokenBudget(max_preparation_tokens=64, max_iteration_tokens=16, max_chunk=16, alone_from=8)
+
+
+def test_rows_prefilled_alone_start_from_the_cache_and_leave_their_kv_to_it(loaded):
+    engine = engine_with_cache(loaded)
+    long_prompt = SYSTEM * 4 + "Summarize all of that."
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16, budget=ALONE)
+    first = batch.add(prepare(engine, long_prompt))
+    batch.add(prepare(engine, "Name three rivers of Europe, please."))
+    for _ in range(2):  # the first prompt's first two chunks: it goes first
+        batch.step()
+    assert batch.kv_bytes > 0
+    batch.remove([first])
+    while batch.num_rows:
+        batch.step()
+    assert batch.kv_bytes == 0
+    ((tokens, cached),) = batched(engine, [long_prompt], budget=ALONE)
+    assert cached == 32 and tokens == reference(loaded, long_prompt)
+    batched(engine, [FIRST], budget=ALONE)
+    ((answer, cached),) = batched(engine, [FIRST], budget=ALONE)
+    assert cached == len(engine.prepare(FIRST, GREEDY).prompt_tokens) - 1
+    assert answer == reference(loaded, FIRST)
+    follow_up = continuation(engine, FIRST, answer)  # its rest past the hit is long: alone
+    ((tokens, cached),) = batched(engine, [follow_up], budget=ALONE)
+    assert cached > len(answer) and tokens == reference(loaded, follow_up)
 
 
 def test_entries_never_exceed_the_budget_and_evictions_are_counted(loaded):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mlx_trio.engine.batch.schedule import TokenBudget
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import SamplingParams
@@ -34,3 +36,15 @@ def test_warm_up_runs_a_burst_of_long_prompts_as_the_token_budget_prepares_them(
     report = warm_up(engine, max_batch=8, prefill_chunk=32, force=True)
     burst = [s for s in report.shapes if s.lane == "prefill" and s.prompt_tokens == 17]
     assert 4 in [s.rows for s in burst]  # 64 // 16 prompts of the largest chunk, and one more
+
+
+def test_warm_up_prefills_every_padded_last_chunk_where_long_prompts_go_alone():
+    budget = TokenBudget(max_preparation_tokens=512, max_iteration_tokens=256, max_chunk=256)
+    engine = Engine(make_loaded(), token_budget=replace(budget, alone_from=64))
+    report = warm_up(engine, max_batch=8, prefill_chunk=32, force=True)
+    alone = [(s.rows, s.prompt_tokens) for s in report.shapes if s.lane == "alone"]
+    # Rows of 128 and 256 tokens past the start, and past one whole chunk of 256.
+    assert alone == [(2, 1), (2, 257)]
+    unwarmed = Engine(make_loaded(), token_budget=budget)
+    assert not [s for s in warm_up(unwarmed, max_batch=8, prefill_chunk=32, force=True).shapes
+                if s.lane == "alone"]  # fmt: skip

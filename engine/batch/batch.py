@@ -139,7 +139,7 @@ class BatchEngine:
         return [
             (r.num_prompt_tokens, r.decoder.params.max_tokens)
             for r in self._rows.values()
-            if r.uid is not None or r.parked is not None or r.id == solo
+            if self._batch.holds(r) or r.parked is not None or r.id == solo
         ]
 
     def add(self, request: PreparedRequest) -> int:

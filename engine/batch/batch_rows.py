@@ -6,13 +6,15 @@ processors, where the row is (mlx-lm's batch, parked, or the solo row: ``engine/
 and the tokens it sampled in the current engine call, decoded at the call's end.
 :class:`PromptStart` is a new row's prompt past what the prompt cache already held.
 :class:`GeneratorRows` is mlx-lm's batch: the ``BatchGenerator`` and the row of each of its uids
-(mlx-lm gives a resumed row a new uid; row ids stay the batch engine's own).
+(mlx-lm gives a resumed row a new uid; row ids stay the batch engine's own), and the long prompts
+prefilled one row at a time before they join it (``engine/batch/alone.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
@@ -33,6 +35,7 @@ from ..vocabulary.sampling import (
     repair_random_state,
 )
 from . import lean_step
+from .alone import AlonePrefill, AloneRow
 from .prompt_cache import PromptCache
 from .row import RowDecoder
 from .schedule import TokenBudget
@@ -56,6 +59,8 @@ class BatchRow:
     took_at: int | None = None  # the step that gave it its last sampled token
     failure: str | None = None  # its sampler failed: it left the generator, fails at the end
     cache_salt: str | None = None  # its prompt-cache partition (PreparedRequest.cache_salt)
+    # Prompt tokens prefilled alone before it joined mlx-lm's batch (its progress goes on from).
+    prefilled_alone: int = 0
 
     @classmethod
     def new(
@@ -192,6 +197,9 @@ class GeneratorRows:
         self._checkpoints = engine.prompt_cache is not None and engine.caches.checkpoints
         # Log-probabilities only while a row wants them (engine/batch/lean_step.py).
         lean_step.install(self._generator, self._wants_logprobs)
+        self._alone = AlonePrefill(
+            engine.model, max_chunk=budget.max_chunk, checkpoints=self._checkpoints
+        )
 
     def _wants_logprobs(self, uids: Iterable[int]) -> bool:
         """Whether a row of ``uids`` wants log-probabilities (one not ours, to be safe)."""
@@ -199,11 +207,15 @@ class GeneratorRows:
         return any((row := rows.get(uid)) is None or row.wants_logprobs for uid in uids)
 
     def __len__(self) -> int:
-        return len(self._row_of_uid)
+        return len(self._row_of_uid) + len(self._alone)
+
+    def holds(self, row: BatchRow) -> bool:
+        """Whether the row's KV is here: in mlx-lm's batch, or being prefilled alone."""
+        return row.uid is not None or row.id in self._alone
 
     @property
     def kv_bytes(self) -> int:
-        return self._generator.prompt_cache_nbytes
+        return self._generator.prompt_cache_nbytes + self._alone.kv_bytes
 
     @property
     def num_decoding(self) -> int:
@@ -214,7 +226,8 @@ class GeneratorRows:
     def num_preparing(self) -> int:
         """Rows with prompt left to prefill, being prefilled or waiting to be."""
         generator = self._generator
-        return len(generator._currently_processing) + len(generator._unprocessed_sequences)
+        in_generator = len(generator._currently_processing) + len(generator._unprocessed_sequences)
+        return in_generator + len(self._alone)
 
     def insert(
         self,
@@ -239,7 +252,12 @@ class GeneratorRows:
         self._row_of_uid[uid] = row
 
     def insert_from(self, row: BatchRow, start: PromptStart) -> None:
-        """Add a row that has generated nothing yet, to prefill its prompt past the hit."""
+        """Add a row that has generated nothing yet, to prefill its prompt past the hit: alone
+        first if that is long (``TokenBudget.prefills_alone``)."""
+        if self._budget.prefills_alone(len(start.rest)):
+            self._alone.add(row, start.rest, start.hit_cache, start.context)
+            row.uid, row.decoding = None, False
+            return
         self.insert(row, start.rest, row.remaining_tokens, start.hit_cache, start.context)
 
     def take_out(self, row: BatchRow) -> tuple[list[Any], list[int]]:
@@ -257,7 +275,11 @@ class GeneratorRows:
         return caches, list(tokens)
 
     def detach(self, row: BatchRow) -> int | None:
-        """Stop mapping a row, if it is in the batch: its uid, for :meth:`remove`."""
+        """Stop mapping a row, if it is in the batch: its uid, for :meth:`remove`. A row being
+        prefilled alone leaves at once, what it prefilled to the prompt cache."""
+        if (entry := self._alone.drop(row.id)) is not None:
+            commit(self._engine, entry.held_tokens(), entry.caches, row.cache_salt)
+            return None
         if row.uid is None:
             return None
         uid, row.uid = row.uid, None
@@ -284,7 +306,10 @@ class GeneratorRows:
     ) -> bool:
         """One ``BatchGenerator.next()``: prefilling rows' ``progress``, and each generating
         row's token kept (the row then in ``touched``); whether a row got its first token. A
-        row that mlx-lm ends (stop token, ``max_tokens``) leaves, its KV to the prompt cache."""
+        row that mlx-lm ends (stop token, ``max_tokens``) leaves, its KV to the prompt cache.
+        Rows prefilled alone take their chunks first; those done join mlx-lm's batch."""
+        if self._alone:
+            self._step_alone(progress)
         self._apply_budget()
         prompt_responses, generation_responses = self._generator.next()
         in_batch = self._row_of_uid
@@ -292,7 +317,8 @@ class GeneratorRows:
         for response in prompt_responses:
             if (row := in_batch.get(response.uid)) is not None:
                 done, total = response.progress
-                progress[row.id] = RowProgress(row=row.id, done=done, total=total)
+                before = row.prefilled_alone
+                progress[row.id] = RowProgress(row=row.id, done=before + done, total=before + total)
                 if self._checkpoints and response.end_of_segment and not response.end_of_prompt:
                     checkpoints.append(response.uid)
         if checkpoints:
@@ -319,6 +345,22 @@ class GeneratorRows:
                 commit(self._engine, tokens, response.prompt_cache, row.cache_salt)
         return first_token
 
+    def _step_alone(self, progress: dict[int, RowProgress]) -> None:
+        """Prefill the rows waiting alone within the iteration's budget; those done join
+        mlx-lm's batch with their prompt's last token and their caches."""
+        tokens = self._budget.alone_tokens(len(self._generator._generation_batch))
+        stepped, ready = self._alone.step(tokens, partial(commit, self._engine))
+        for entry in stepped:
+            progress[entry.row.id] = RowProgress(entry.row.id, entry.done, len(entry.rest))
+        for entry in ready:
+            self._join(entry)
+
+    def _join(self, entry: AloneRow) -> None:
+        row = entry.row
+        row.prefilled_alone = entry.done
+        context = entry.held_tokens()
+        self.insert(row, entry.rest[-1:], row.remaining_tokens, entry.caches, context)
+
     def _keep_checkpoints(self, uids: list[int]) -> None:
         """Give the prompt cache what the rows ``uids`` hold at the end of their prompt but
         its last token (mlx-lm feeds that one with the first decode step)."""
@@ -341,6 +383,7 @@ class GeneratorRows:
         generator._prompt_batch.prefill_step_size = chunk
 
     def close(self) -> None:
+        self._alone.close()
         self._row_of_uid.clear()
         self._detached.clear()
         self._generator.close()

@@ -11,6 +11,11 @@ engine:
   fills the rest of ``max_iteration_tokens`` with prompt chunks shared evenly by the rows being
   prepared, so decoding rows keep their rhythm while a long prompt is prefilled beside them.
 
+A prompt whose rest (past the prompt cache's hit) is at least ``alone_from`` tokens is not
+prefilled in mlx-lm's left-padded batch but one row at a time under a causal mask, in whole
+chunks of at most ``max_chunk`` within the iteration budget (``engine/batch/alone.py``,
+design/027: on CUDA the padded batch's array mask costs attention its fused kernel).
+
 Plain arithmetic, no MLX: the engine's batch (``engine/batch/batch_rows.py``) applies it to mlx-lm's
 ``BatchGenerator`` before each step, and the scripted engine (``actors/testing/scripted.py``)
 steps by it, so the actors' tests see the same rules.
@@ -39,11 +44,26 @@ class TokenBudget:
     max_preparation_tokens: int = 2048
     max_iteration_tokens: int = 512
     max_chunk: int = 2048
+    alone_from: int | None = None  # None: every prompt prefills in mlx-lm's batch
 
     def __post_init__(self) -> None:
         for name in ("max_preparation_tokens", "max_iteration_tokens", "max_chunk"):
             if (value := getattr(self, name)) < 1:
                 raise InvalidRequestError(f"{name} must be at least 1, got {value}", param=name)
+        if self.alone_from is not None and self.alone_from < 1:
+            raise InvalidRequestError(
+                f"alone_from must be at least 1, got {self.alone_from}", param="alone_from"
+            )
+
+    def prefills_alone(self, rest: int) -> bool:
+        """Whether a prompt with ``rest`` tokens to prefill goes one row at a time (a single
+        token has nothing to prefill: it is the batch's to read)."""
+        return self.alone_from is not None and rest >= max(2, self.alone_from)
+
+    def alone_tokens(self, decoding: int) -> int:
+        """Prompt tokens prefilled one row at a time in the next iteration, beside ``decoding``
+        rows: the iteration budget's rest, at least one whole chunk."""
+        return max(self.max_chunk, self.max_iteration_tokens - decoding)
 
     def prompts_to_prepare(self, preparing: Sequence[int], waiting: Sequence[int]) -> int:
         """How many of the ``waiting`` prompts (their token counts, first come first) join the
@@ -74,19 +94,31 @@ class TokenBudget:
 
 # Chosen by measurement against the batch's earlier fixed 8 prompts x 256 tokens: long prompts
 # reach their first tokens sooner and decoding rows beside them wait less (design/024, 017).
+# Bursts of 16-64 prompts of 1,536-2,048 tokens prefilled 1.7-3.0x faster one at a time than in
+# mlx-lm's padded batch on the H200 (design/027); on CPU attention has no fused kernel to lose.
 DEVICE_BUDGETS = {
     "cpu": TokenBudget(max_preparation_tokens=1024, max_iteration_tokens=256, max_chunk=256),
-    "gpu": TokenBudget(max_preparation_tokens=32768, max_iteration_tokens=8192, max_chunk=2048),
+    "gpu": TokenBudget(
+        max_preparation_tokens=32768, max_iteration_tokens=8192, max_chunk=2048, alone_from=512
+    ),
 }
 
 
 def default_budget(
-    device: str, *, preparation: int | None = None, iteration: int | None = None
+    device: str,
+    *,
+    preparation: int | None = None,
+    iteration: int | None = None,
+    alone_from: int | None = None,
 ) -> TokenBudget:
-    """The budget for ``device`` (``cpu`` or ``gpu``), with either limit overridden."""
+    """The budget for ``device`` (``cpu`` or ``gpu``), with any limit overridden
+    (``alone_from`` 0: no prompt prefills alone)."""
     budget = DEVICE_BUDGETS["gpu" if device == "gpu" else "cpu"]
+    if alone_from is None:
+        alone_from = budget.alone_from
     return TokenBudget(
         preparation if preparation is not None else budget.max_preparation_tokens,
         iteration if iteration is not None else budget.max_iteration_tokens,
         budget.max_chunk,
+        alone_from or None,
     )
