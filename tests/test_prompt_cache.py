@@ -249,3 +249,14 @@ def test_under_a_memory_budget_the_cache_keeps_to_what_the_live_rows_leave(loade
             core.serial_step()
     assert cache.statistics().hits == stats.hits + 1
     core.close()
+
+
+def test_a_prompt_sharing_a_prefix_with_a_longer_entry_reuses_it_and_leaves_it_whole(loaded):
+    engine = engine_with_cache(loaded)
+    ((first, _),) = batched(engine, [FIRST])
+    other = SYSTEM + "Which river is the longest?"
+    ((tokens, cached),) = batched(engine, [other], budget=ALONE)  # written past the shared part
+    shared = len(engine.prepare(SYSTEM, GREEDY).prompt_tokens)
+    assert shared - 2 <= cached <= shared + 2 and tokens == reference(loaded, other)  # "Wh"
+    ((again, cached),) = batched(engine, [FIRST])
+    assert again == first and cached == len(engine.prepare(FIRST, GREEDY).prompt_tokens) - 1
