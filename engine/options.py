@@ -39,11 +39,11 @@ class EngineOptions:
     (``engine/batch/schedule.py``; None: the device's); ``prefill_alone_from``: prompts this long
     prefill one row at a time (0: never; None: the device's). ``fuse``: one matmul for the
     projections that read the same input (``engine/model/fused.py``; None: on a GPU).
-    ``engine_process``: run
-    the model in a child process instead of on a thread beside the event loop (None: a process on a
-    GPU, design/009). ``ranks``: run it over a group of ranks that ``mlx.launch`` starts, the model
-    split over them (design/020; the prompt cache is off there). ``warm_up``: compile the kernels of
-    every shape the runtime uses before the engine reports started (GPU only).
+    ``engine_process``: run the model in a child process instead of on a thread beside the event
+    loop (None: a process on a GPU, design/009). ``ranks``: run it over a group of ranks that
+    ``mlx.launch`` starts, the model split over them (design/020; the prompt cache is off there).
+    ``warm_up``: compile the kernels of every shape the runtime uses before the engine reports
+    started (GPU only).
     """
 
     model: str | None = None
