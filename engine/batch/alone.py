@@ -22,7 +22,7 @@ padding.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -86,9 +86,6 @@ class AlonePrefill:
 
     def __contains__(self, row_id: int) -> bool:
         return row_id in self._rows
-
-    def __iter__(self) -> Iterator[AloneRow]:
-        return iter(self._rows.values())
 
     @property
     def kv_bytes(self) -> int:
