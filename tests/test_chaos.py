@@ -28,6 +28,7 @@ from mlx_trio.api.chaos import (
     ClientFault,
     FaultPlan,
     RequestPlan,
+    TimedFault,
     run_on_model,
     run_plan,
     run_scripted,
@@ -424,3 +425,23 @@ def test_a_client_fault_whose_carriers_the_shutdown_refused_is_not_a_broken_inva
     assert all(r.refused == "shutting_down" for r in report.run.requests)
     whole = run_virtual(replace(cut, shutdown_at_s=None))
     assert whole.ok and whole.run.injected["cancel"] == 1, whole.table()
+
+
+def test_a_client_fault_whose_last_carrier_a_step_fault_failed_is_not_a_broken_invariant():
+    """A step error fails the only carrier of a consumer close before it reached its events, so
+    no request is left to act the close out (an HTTP run on CI met it so). Without the step
+    error the same close must be injected."""
+    request = RequestPlan(number=0, start_s=0.5, max_tokens=8)
+    cut = FaultPlan(
+        seed=0,
+        requests=(request,),
+        engine_faults=(TimedFault("step_error", at_s=0.5),),
+        client_faults=(ClientFault("consumer_close", after_events=5, at_s=0.4),),
+    )
+    report = run_virtual(cut)
+    assert report.ok, report.table()
+    assert not report.run.injected["consumer_close"]
+    assert report.run.requests[0].outcome == "failed:engine_fault"
+    assert "another fault ended every carrier of consumer_close" in report.table()
+    whole = run_virtual(replace(cut, engine_faults=()))
+    assert whole.ok and whole.run.injected["consumer_close"] == 1, whole.table()

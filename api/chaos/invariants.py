@@ -92,36 +92,39 @@ def _allowed(run: RunResult, result: RequestResult) -> set[str]:
 
 
 def _every_planned_fault_injected(run: RunResult) -> Check:
-    """Every planned kind was injected, but a client fault whose chain of carriers the
-    shutdown or a crash cut: a fault moves on to the next request until one acts it out
-    (``TimedFault``: a refused request, or one that ends first, passes it on), so on a slow
-    machine the planned shutdown, or an engine crash that fails every row and refuses what
-    comes while it restarts, can come before any carrier reached its events."""
+    """Every planned kind was injected, but a client fault whose chain of carriers a fault of
+    the run cut: a fault moves on to the next request until one acts it out (``TimedFault``: a
+    refused request, or one that ends first, passes it on), so on a slow machine the planned
+    shutdown, an engine crash that fails every row and refuses what comes while it restarts,
+    or a step fault that fails the last carrier before it reached its events, can leave no
+    request to act it out."""
     planned, injected = run.plan.planned, run.injected
     missing = sorted(kind for kind in planned if not injected[kind])
     uncarried = [kind for kind in missing if _no_request_could_carry(run, kind)]
     missing = [kind for kind in missing if kind not in uncarried]
     detail = f"never injected: {', '.join(missing)}" if missing else f"{len(planned)} kinds"
     if uncarried:
-        detail += f"; the shutdown or a crash ended every carrier of {', '.join(uncarried)}"
+        detail += f"; another fault ended every carrier of {', '.join(uncarried)}"
     return Check("every planned fault kind injected", not missing, detail)
 
 
 def _no_request_could_carry(run: RunResult, kind: str) -> bool:
-    """Whether the shutdown or an engine crash cut the client fault ``kind``'s chain of
-    carriers: the last request that carried it (if any did) was refused or cancelled by the
-    shutdown, or refused or failed by the crash."""
+    """Whether another fault cut the client fault ``kind``'s chain of carriers: the last
+    request that carried it (if any did) was refused or cancelled by the shutdown, refused or
+    failed by a crash, or ended by an engine fault that touched it."""
+    if kind not in {f.kind for f in run.plan.client_faults}:
+        return False
     shutdown = run.plan.shutdown_at_s is not None
     crashed = bool(run.injected["engine_crash"])
-    if not (shutdown or crashed) or kind not in {f.kind for f in run.plan.client_faults}:
-        return False
     carriers = [r for r in run.requests if r.plan.client is not None and r.plan.client.kind == kind]
     if not carriers:
-        return True
+        return shutdown or crashed
     last = max(carriers, key=lambda r: r.plan.start_s)
     by_shutdown = last.refused is not None or last.outcome == "cancelled:shutdown"
     by_crash = last.refused == "engine_unavailable" or last.outcome == "failed:engine_fault"
-    return (shutdown and by_shutdown) or (crashed and by_crash)
+    touched = run.touched.get(last.plan.number, set())
+    by_engine_fault = any(last.outcome in ENGINE_OUTCOME[k] for k in touched if k != "step_slow")
+    return (shutdown and by_shutdown) or (crashed and by_crash) or by_engine_fault
 
 
 def _refusals_only_past_the_bound(run: RunResult) -> Check:
