@@ -231,6 +231,30 @@ def test_the_harness_runs_one_cheap_system(tmp_path: Path) -> None:
     assert "| 1 | mlx-trio in-process |" in done.stdout
 
 
+def test_one_at_a_time_stops_each_system_before_the_next_starts(tmp_path: Path) -> None:
+    """A model too large for two servers at once: the second server starts only after the
+    first was measured at every level and stopped, and both are in the table."""
+    out = tmp_path / "suite.json"
+    done = mlx_trio(
+        *("bench", "--systems", "mlx-trio-inprocess,mlx-trio-http", "--one-at-a-time"),
+        *("--concurrency", "1,2", "--max-tokens", "4", "--no-cancel-probe", "--out", str(out)),
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = done.stderr
+    order = [
+        log.index("starting mlx-trio-inprocess"),
+        log.index("mlx-trio in-process [chat], 2 streams:"),
+        log.index("stopping mlx-trio-inprocess"),
+        log.index("starting mlx-trio-http"),
+        log.index("mlx-trio HTTP [chat], 1 streams:"),
+    ]
+    assert order == sorted(order), log[-3000:]
+    systems = json.loads(out.read_text())["systems"]
+    assert [[lv["clients"] for lv in s["levels"]] for s in systems] == [[1, 2], [1, 2]]
+    assert "| 2 | mlx-trio HTTP |" in done.stdout
+
+
 @pytest.mark.slow
 def test_the_gpu_run_runs_on_cpu_with_the_quick_model(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"

@@ -43,7 +43,7 @@ DEFAULT_LEVELS = "1,4,8,16,32,64"
 DEFAULT_RESULTS = Path("bench-results")
 PLOT_EXTRA = "pip install 'mlx-trio[bench]'"
 # The flags of one run only, by dest (None when not given): the other run refuses them.
-SUITE_ONLY = ("scenarios", "cancel_probe", "baseline", "model_dir")
+SUITE_ONLY = ("scenarios", "cancel_probe", "baseline", "model_dir", "one_at_a_time")
 GPU_ONLY = (
     "quick",
     "models",
@@ -157,6 +157,13 @@ def add_arguments(
         metavar="DIR",
         help="an MLX model directory every system serves instead of the embedded default model "
         "(the GPU run's 1B shape: python -m bench.memory --build-only --model-dir DIR)",
+    )
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        default=None,
+        help="start each system only for its own runs and stop it before the next starts (a "
+        "model too large for two servers at once; default: all started, rounds interleaved)",
     )
     parser.add_argument(
         "--cancel-probe",
@@ -353,6 +360,7 @@ def _run_suite(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         baseline=args.baseline,
         model_dir=args.model_dir,
         save=partial(write_json, out),
+        one_at_a_time=bool(args.one_at_a_time),
     )
     data = trio.run(suite)
     data["total_s"] = _process_age_s()

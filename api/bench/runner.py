@@ -278,9 +278,12 @@ async def run_suite(
     baseline: Path | None = None,
     model_dir: Path | None = None,
     save: Callable[[dict], None] | None = None,
+    one_at_a_time: bool = False,
 ) -> dict:
     """Start every system in ``keys``, run the plan (``rounds`` of each level), probe
-    cancellation; a JSON-ready dict.
+    cancellation; a JSON-ready dict. ``one_at_a_time``: each system is started only for its
+    own runs and stopped before the next starts (a model too large for two servers at once;
+    the rounds are then not interleaved between systems).
 
     A system that does not start, or fails at some level, is recorded with its error and left
     out of the rest of the run; the others go on. ``save`` gets the JSON-ready dict of what has
@@ -292,7 +295,7 @@ async def run_suite(
     logger.info("other processes' CPU share before starting: %s", pct(idle_share))
     targets: dict[str, Target] = {}
     measurements: list[Measurement] = []
-    probe: dict | None = None
+    cancel_result: dict | None = None
     settings = {
         "max_tokens": scenarios[0].max_tokens,
         "scenarios": [scenario_settings(s) for s in scenarios],
@@ -311,7 +314,7 @@ async def run_suite(
         return to_json(
             systems=[t.record() for t in targets.values()],
             measurements=measurements,
-            probe=probe,
+            probe=cancel_result,
             idle_other_share=idle_share,
             settings=settings,
         )
@@ -320,27 +323,27 @@ async def run_suite(
         if save is not None:
             save({**document(), "partial": True})
 
-    async with AsyncExitStack() as stack:
-        for key in keys:
-            logger.info("starting %s", key)
-            try:
-                targets[key] = await start_target(stack, key, f32_dir, log_dir, baseline, model_dir)
-            except (RuntimeError, OSError, httpx.HTTPError, trio.TooSlowError) as exc:
-                d = SYSTEMS[key]
-                log = log_dir / f"bench-{key}.log"
-                logger.error("%s did not start: %r (it needs %s; see %s)", key, exc, d.needs, log)
-                error = f"did not start: {exc!r} (needs {d.needs})"
-                targets[key] = Target(key, d.label, d.kind, pid=0, error=error)
-            checkpoint()
-        runs = plan(scenarios, keys, levels, rounds)
-        for n, run in enumerate(runs, 1):
+    async def start(stack: AsyncExitStack, key: str) -> None:
+        logger.info("starting %s", key)
+        try:
+            targets[key] = await start_target(stack, key, f32_dir, log_dir, baseline, model_dir)
+        except (RuntimeError, OSError, httpx.HTTPError, trio.TooSlowError) as exc:
+            d = SYSTEMS[key]
+            log = log_dir / f"bench-{key}.log"
+            logger.error("%s did not start: %r (it needs %s; see %s)", key, exc, d.needs, log)
+            error = f"did not start: {exc!r} (needs {d.needs})"
+            targets[key] = Target(key, d.label, d.kind, pid=0, error=error)
+        checkpoint()
+
+    async def measure_runs(runs: Sequence[tuple[int, Run]], total: int) -> None:
+        for n, run in runs:
             target = targets[run.key]
             if target.error is not None:
                 continue
             label = f"{SYSTEMS[run.key].label} [{run.scenario.name}]"
             if rounds > 1:
                 label += f" round {run.round + 1}/{rounds}"
-            logger.info("(%d/%d) %s: %d streams ...", n, len(runs), label, run.clients)
+            logger.info("(%d/%d) %s: %d streams ...", n, total, label, run.clients)
             try:
                 m = await measure(target, run)
             except (RuntimeError, OSError, httpx.HTTPError, trio.TooSlowError) as exc:
@@ -350,15 +353,34 @@ async def run_suite(
                 continue
             measurements.append(m)
             checkpoint()
-            logger.info("(%d/%d) %s", n, len(runs), report.one_line(label, m))
+            logger.info("(%d/%d) %s", n, total, report.one_line(label, m))
             if m.other_cpu_share is not None and m.other_cpu_share > BUSY_OTHER_SHARE:
                 logger.warning(
                     "other processes took %s of the CPU meanwhile", pct(m.other_cpu_share)
                 )
-        inprocess = targets.get("mlx-trio-inprocess")
-        if cancel_probe and inprocess is not None and inprocess.error is None:
-            assert inprocess.worker is not None
-            probe = await probe_cancel(inprocess.worker)
+
+    async def probe(key: str) -> None:
+        nonlocal cancel_result
+        target = targets.get(key)
+        if key == "mlx-trio-inprocess" and cancel_probe and target and target.error is None:
+            assert target.worker is not None
+            cancel_result = await probe_cancel(target.worker)
+
+    runs = list(enumerate(plan(scenarios, keys, levels, rounds), 1))
+    if one_at_a_time:
+        # Each system alone on the machine: started, measured at every level, stopped.
+        for key in keys:
+            async with AsyncExitStack() as stack:
+                await start(stack, key)
+                await measure_runs([(n, r) for n, r in runs if r.key == key], len(runs))
+                await probe(key)
+                logger.info("stopping %s", key)
+        return document()
+    async with AsyncExitStack() as stack:
+        for key in keys:
+            await start(stack, key)
+        await measure_runs(runs, len(runs))
+        await probe("mlx-trio-inprocess")
         logger.info("stopping every system")
     return document()
 
