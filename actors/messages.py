@@ -44,7 +44,8 @@ class GenerationRequest:
     over queueing, prefill and decode. ``cache_salt``: the prompt cache's partition (vLLM's
     ``cache_salt``): the request reuses only what requests of the same salt left, so its
     ``cached_tokens`` tell nothing of others' prompts (None: the partition every unsalted request
-    shares).
+    shares). ``adapter``: the LoRA adapter to generate with, by the name the engine serves it as
+    (``EnginePort.adapters``; None: the base model).
     """
 
     prompt: str | tuple[ChatMessage, ...] | Chat
@@ -53,6 +54,7 @@ class GenerationRequest:
     timeout_s: float | None = None
     request_id: str | None = None
     cache_salt: str | None = None
+    adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from ..engine.budget import MemoryBudget, MemoryUsage
-from ..engine.outputs import PromptCacheStatistics, RowEvent
+from ..engine.outputs import AdapterInfo, PromptCacheStatistics, RowEvent
 from ..engine.params import PreparedRequest, SamplingParams
 from ..engine.vocabulary.prompt import Prompt
 from ..engine.vocabulary.reply import ReplySyntax
@@ -59,6 +59,11 @@ class EnginePort(Protocol):
     @property
     def sampling_defaults(self) -> SamplingDefaults:
         """The model's defaults for what a request omits (its ``generation_config.json``)."""
+        ...
+
+    @property
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """The LoRA adapters served beside the model, each a model id of its own."""
         ...
 
     @property

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..engine.errors import EngineUnavailableError, RuntimeClosedError
+from ..engine.errors import EngineUnavailableError, RuntimeClosedError, UnknownAdapterError
 from ..engine.params import PreparedRequest
 from . import gate
 from .arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
@@ -143,10 +143,12 @@ class Runtime:
         params = request.params
         if params is None:
             params = self.engine.sampling_defaults.params()
+        if request.adapter is not None:
+            served = [a.name for a in self.engine.adapters]
+            if request.adapter not in served:
+                raise UnknownAdapterError(request.adapter, served)
         prepared = await self.engine.prepare(request.prompt, params)
-        if request.cache_salt is not None:
-            prepared = replace(prepared, cache_salt=request.cache_salt)
-        return prepared
+        return replace(prepared, cache_salt=request.cache_salt, adapter=request.adapter)
 
     def _projected_kv_bytes(self, prepared: PreparedRequest) -> int:
         """The KV bytes the request may come to hold, under the engine's memory budget (0

@@ -32,6 +32,7 @@ from ..actors.messages import (
     Usage,
 )
 from ..engine.errors import (
+    AdapterError,
     ContextLengthExceededError,
     EngineError,
     EngineUnavailableError,
@@ -44,10 +45,11 @@ from ..engine.errors import (
     RuntimeClosedError,
     RuntimeRefusal,
     SecondReaderError,
+    UnknownAdapterError,
     UnsupportedModelError,
 )
-from ..engine.options import EngineOptions
-from ..engine.outputs import FinishReason, TokenLogprob
+from ..engine.options import AdapterSpec, EngineOptions
+from ..engine.outputs import AdapterInfo, FinishReason, TokenLogprob
 from ..engine.params import Grammar, SamplingParams
 from ..engine.vocabulary.prompt import Chat, ChatMessage
 from ..engine.vocabulary.reply import Called, Content, Reasoning, ReplySplitter, ReplySyntax
@@ -62,6 +64,9 @@ from .inprocess import (
 )
 
 __all__ = [
+    "AdapterError",
+    "AdapterInfo",
+    "AdapterSpec",
     "Called",
     "CancelReason",
     "Cancelled",
@@ -105,6 +110,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolChoice",
+    "UnknownAdapterError",
     "UnsupportedModelError",
     "Usage",
     "call_grammar",

@@ -19,6 +19,7 @@ from .cli_args import (
 )
 from .cli_flags import (
     MODEL_HELP,
+    add_adapter_path,
     add_device,
     add_memory_limit,
     add_sampling_flags,
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_device(generate)
     add_memory_limit(generate)
+    add_adapter_path(generate)
     add_sampling_flags(generate)
     add_rank_flags(generate)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..engine.options import EngineOptions
+from ..engine.errors import AdapterError
+from ..engine.options import AdapterSpec, EngineOptions
 from ..engine.params import MAX_STOP_STRINGS, SamplingParams
 from ..engine.vocabulary.sampling_defaults import SamplingDefaults
 from .cli_args import (
@@ -22,6 +23,9 @@ from .cli_args import (
     sampling,
 )
 from .cli_ranks import rank_group
+
+# The name ``generate --adapter-path`` serves its one adapter as.
+GENERATE_ADAPTER = "adapter"
 
 ENGINE = EngineOptions()  # the defaults the flags' help shows
 
@@ -158,9 +162,39 @@ def add_memory_limit(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def lora_spec(text: str) -> AdapterSpec:
+    """``NAME=PATH`` of ``--lora``, the directory checked here (its fit, at load)."""
+    try:
+        spec = AdapterSpec.parse(text)
+    except AdapterError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    if not spec.path.is_dir():
+        raise argparse.ArgumentTypeError(f"{spec.path} is not a directory (an mlx-lm adapter)")
+    return spec
+
+
+def adapter_directory(text: str) -> AdapterSpec:
+    """``--adapter-path PATH`` of ``generate`` (mlx_lm.generate's flag): one adapter, used."""
+    return lora_spec(f"{GENERATE_ADAPTER}={text}")
+
+
+def add_adapter_path(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--adapter-path",
+        type=adapter_directory,
+        default=None,
+        metavar="DIR",
+        help="generate with this LoRA adapter (mlx_lm.lora's output: adapter_config.json and "
+        "adapters.safetensors; default: none)",
+    )
+
+
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine's options the flags give (``EngineOptions``' defaults for the rest)."""
     engine = getattr(args, "engine", None)
+    adapters = tuple(getattr(args, "lora", None) or ())
+    if (one := getattr(args, "adapter_path", None)) is not None:
+        adapters = (one,)
     return given(
         EngineOptions,
         model=args.model,
@@ -172,4 +206,5 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         prefill_alone_from=getattr(args, "prefill_alone_from", None),
         engine_process=None if engine in (None, "auto") else engine == "process",
         ranks=rank_group(args),
+        adapters=adapters or None,
     )

@@ -19,6 +19,7 @@ from ..engine.params import SamplingParams
 from ..engine.vocabulary.prompt import ChatMessage
 from ..engine.vocabulary.sampling_defaults import SamplingDefaults, Source, built_in, describe
 from .cli_args import model_refused
+from .cli_flags import GENERATE_ADAPTER
 
 logger = logging.getLogger("mlx_trio.cli")
 
@@ -48,7 +49,9 @@ def generate(
             if not args.raw:
                 system = () if args.system is None else (ChatMessage("system", args.system),)
                 prompt = (*system, ChatMessage("user", args.prompt))
-            request = GenerationRequest(prompt, sampling_params(rt.sampling_defaults))
+            adapter = GENERATE_ADAPTER if options.adapters else None
+            params = sampling_params(rt.sampling_defaults)
+            request = GenerationRequest(prompt, params, adapter=adapter)
             try:
                 handle = await rt.submit(request)
             except InvalidRequestError as exc:  # --top-k past the vocabulary, ...

@@ -27,6 +27,7 @@ from .cli_flags import (
     add_memory_limit,
     engine_options,
     flag_defaults,
+    lora_spec,
 )
 from .cli_ranks import add_rank_flags
 from .http_state import HttpSettings
@@ -178,6 +179,16 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="prompts with at least this many tokens to prefill go one at a time, not in the "
         "padded batch (0: never; default: the device's, never on CPU, 512 on GPU)",
+    )
+    serve.add_argument(
+        "--lora",
+        type=lora_spec,
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="serve an mlx-lm LoRA adapter directory beside the model as the model id NAME "
+        "(repeatable; requests name it as their model, or in mlx_lm.server's adapters field; "
+        "rows of different adapters share batch steps; default: none)",
     )
     serve.add_argument(
         "--engine-restarts",

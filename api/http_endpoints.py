@@ -153,6 +153,22 @@ class Api:
                         **extra,
                     }
                     for i in ids
+                ]
+                + [
+                    {
+                        "id": a.name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "mlx-trio",
+                        "type": "model",
+                        "display_name": a.name,
+                        "created_at": "1970-01-01T00:00:00Z",
+                        # vLLM's fields for a LoRA adapter: the base model it runs over.
+                        "parent": ids[0] if ids else None,
+                        "adapter": {"rank": a.rank, "scale": a.scale, "layers": a.layers},
+                        **extra,
+                    }
+                    for a in (rt.adapters if rt is not None else ())
                 ],
                 "has_more": False,
                 "first_id": ids[0] if ids else None,
@@ -190,7 +206,18 @@ class Api:
         stats = self.state.statistics()
         if stats is None:
             raise HttpError(503, "the model is loading", type="server_error", code="loading")
-        return JSONResponse(asdict(stats))
+        rt = self.state.runtime
+        adapters = [
+            {
+                "name": a.name,
+                "rank": a.rank,
+                "scale": a.scale,
+                "layers": a.layers,
+                "requests": self.state.adapter_requests[a.name],
+            }
+            for a in (rt.adapters if rt is not None else ())
+        ]
+        return JSONResponse(asdict(stats) | {"adapters": adapters})
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]

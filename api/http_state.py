@@ -5,6 +5,7 @@ loaded, the requests running by id, the metrics registry).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..actors.config import RuntimeStatistics
@@ -43,6 +44,7 @@ class AppState:
     model_id: str | None = None  # the name the model is listed by, once loaded
     live: dict[str, list[SessionHandle]] = field(default_factory=dict)
     metrics: Metrics = field(init=False)
+    adapter_requests: Counter[str] = field(default_factory=Counter)  # generations per adapter
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.statistics)

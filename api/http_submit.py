@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from starlette.requests import Request
@@ -64,8 +65,9 @@ def runtime_of(state: AppState) -> RuntimeHandle:
 
 
 def check_model(state: AppState, rt: RuntimeHandle, name: str) -> None:
-    """404 ``model_not_found`` unless ``name`` is one of the names served."""
-    names = state.model_names(rt)
+    """404 ``model_not_found`` unless ``name`` is one of the names served (the model's, or
+    a LoRA adapter's)."""
+    names = state.model_names(rt) + tuple(a.name for a in rt.adapters)
     if name in names:
         return
     # Named back as OpenAI does, cut to a length that cannot bloat the answer or a log.
@@ -88,6 +90,46 @@ def cache_salt(request: Request, asked: str | None) -> str | None:
     return "; ".join(p for p in parts if p) or None
 
 
+def choose_adapter(state: AppState, rt: RuntimeHandle, body: SubmitBody) -> str | None:
+    """The LoRA adapter a request runs with (None: the base model): the model it names, if
+    that is an adapter (vLLM's convention), or the one named by mlx_lm.server's ``adapters``
+    field (a served adapter's name or its directory). 404 for a model not served; 400
+    ``adapter_not_found`` for an ``adapters`` field that names no served adapter, or another
+    adapter than the model."""
+    check_model(state, rt, body.model)
+    served = {a.name: a for a in rt.adapters}
+    chosen = body.model if body.model in served else None
+    asked: str | None = getattr(body, "adapters", None)
+    if asked is None:
+        return chosen
+    match = served.get(asked) or next(
+        (a for a in served.values() if _same_directory(a.path, asked)), None
+    )
+    if match is None:
+        names = ", ".join(f"'{n}'" for n in served) or "none"
+        raise HttpError(
+            400,
+            f"adapters: no served adapter is named or stored at {asked[:MAX_ECHOED_MODEL]!r} "
+            f"(served adapters: {names})",
+            param="adapters",
+            code="adapter_not_found",
+        )
+    if chosen is not None and match.name != chosen:
+        raise HttpError(
+            400,
+            f"adapters: {match.name!r} differs from the adapter the model names ({chosen!r})",
+            param="adapters",
+        )
+    return match.name
+
+
+def _same_directory(path: str, asked: str) -> bool:
+    try:
+        return Path(asked).expanduser().resolve() == Path(path).resolve()
+    except (OSError, ValueError):
+        return False
+
+
 async def submit(
     state: AppState,
     request: Request,
@@ -101,7 +143,7 @@ async def submit(
     as an ``HttpError`` that names the body's own field. ``prompts`` is called after the model
     check, so a costly prompt is built only for a request that can run."""
     rt = runtime_of(state)
-    check_model(state, rt, body.model)
+    adapter = choose_adapter(state, rt, body)
     settings = state.settings
     request_id = id_prefix + uuid.uuid4().hex[:24]
     timeout = body.timeout if body.timeout is not None else settings.request_timeout_s
@@ -119,6 +161,7 @@ async def submit(
                 timeout_s=timeout,
                 request_id=f"{request_id}/{p * body.n + i}",
                 cache_salt=salt,
+                adapter=adapter,
             )
             for p, prompt in enumerate(prompts())
             for i in range(body.n)
@@ -130,4 +173,6 @@ async def submit(
         if isinstance(exc, InvalidRequestError):
             exc = exc.renamed(body.field_names())
         raise refusal_error(exc) from None
+    if adapter is not None:
+        state.adapter_requests[adapter] += len(handles)
     return Submitted(request_id, rt, handles)

@@ -14,6 +14,9 @@ the whole text and the outcome; ``submit_with_callback`` calls a function for ev
 
 A program that serves from here for long should call :func:`freeze_startup_heap` once the
 runtime is up, as ``mlx-trio serve`` does.
+
+LoRA adapters: ``open_runtime(adapters={"tuned": "path/to/adapter"})`` serves each beside the
+model; ``GenerationRequest(..., adapter="tuned")`` runs with one (``rt.adapters`` lists them).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import gc
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from dataclasses import fields as fields_of
+from pathlib import Path
 
 import trio
 
@@ -43,7 +47,8 @@ from ..actors.port import EnginePort
 from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
 from ..engine.budget import MemoryLimit
-from ..engine.options import EngineOptions
+from ..engine.options import AdapterSpec, EngineOptions
+from ..engine.outputs import AdapterInfo
 from ..engine.vocabulary.prompt import Prompt
 from ..engine.vocabulary.reply import ReplySyntax
 from ..engine.vocabulary.sampling_defaults import SamplingDefaults
@@ -137,6 +142,12 @@ class RuntimeHandle:
     @property
     def model_id(self) -> str:
         return self._runtime.engine.model_id
+
+    @property
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """The LoRA adapters served beside the model: a request names one as its
+        ``adapter``."""
+        return self._runtime.engine.adapters
 
     @property
     def sampling_defaults(self) -> SamplingDefaults:
@@ -306,6 +317,8 @@ def runtime_options(
             f"open_runtime() got unknown keyword arguments: {', '.join(sorted(unknown))}"
         )
     engine_fields = {k: v for k, v in given.items() if k in _ENGINE_FIELDS}
+    if isinstance(adapters := engine_fields.get("adapters"), Mapping):  # {name: directory}
+        engine_fields["adapters"] = tuple(AdapterSpec(n, Path(p)) for n, p in adapters.items())
     if (limit := engine_fields.get("memory_limit")) is not None and not isinstance(
         limit, MemoryLimit
     ):

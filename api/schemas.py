@@ -85,6 +85,8 @@ class _Sampling(Body):
     timeout: Number | None = Field(default=None, gt=0, description="seconds; mlx-trio extension")
     # vLLM's: the prompt cache's partition; hits only among requests with the same salt.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # mlx_lm.server's: the LoRA adapter to run with (a served adapter's name or directory).
+    adapters: str | None = Field(default=None, min_length=1, max_length=4096)
 
     def _stops(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, assert_never
 
 from .budget import MemoryBudget, MemoryUsage
-from .outputs import PromptCacheStatistics, RowEvent
+from .outputs import AdapterInfo, PromptCacheStatistics, RowEvent
 from .params import PreparedRequest
 from .vocabulary.sampling_defaults import SamplingDefaults
 
@@ -157,6 +157,7 @@ class EngineStarted:
     warmup: WarmupReport | None = None
     memory: MemoryBudget | None = None
     unbatchable: str | None = None
+    adapters: tuple[AdapterInfo, ...] = ()
 
     @classmethod
     def of(cls, core: EngineCore, warmup: WarmupReport | None = None) -> EngineStarted:
@@ -167,6 +168,7 @@ class EngineStarted:
             warmup,
             core.memory,
             engine.caches.unbatchable_reason,
+            engine.adapter_infos,
         )
 
 

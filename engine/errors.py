@@ -3,11 +3,13 @@
     MlxTrioError
     ├── InvalidRequestError          bad input; carries the offending ``param`` (OpenAI's shape)
     │   ├── ContextLengthExceededError   prompt (+ max_tokens) longer than the model's context
-    │   └── MemoryBudgetExceededError    prompt (+ max_tokens) whose KV can never fit the budget
+    │   ├── MemoryBudgetExceededError    prompt (+ max_tokens) whose KV can never fit the budget
+    │   └── UnknownAdapterError          a LoRA adapter the engine does not serve
     ├── ModelError                   anything about finding, importing or loading a model
     │   ├── ModelNotFoundError           no such file or directory
     │   ├── UnsupportedModelError        a format, architecture or quantization we cannot load
-    │   └── ModelImportError             download, checksum or conversion failed
+    │   ├── ModelImportError             download, checksum or conversion failed
+    │   └── AdapterError                 a LoRA adapter that cannot be read or does not fit
     ├── EngineError                  the engine failed: a step inside MLX or mlx-lm, its warm-up
     │   └── EngineProcessError           the engine's process (or group of ranks) ended or
     │                                    could not start, or a reply of its would not pickle
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 
 class MlxTrioError(Exception):
@@ -115,6 +117,20 @@ class MemoryBudgetExceededError(InvalidRequestError):
         super().__init__(message, param=param, code="memory_budget_exceeded")
 
 
+class UnknownAdapterError(InvalidRequestError):
+    """A request asked for a LoRA adapter the engine does not serve (``param``: ``adapter``;
+    an API renames it to its own field: ``model``, or mlx_lm.server's ``adapters``)."""
+
+    def __init__(self, name: str, served: Sequence[str]) -> None:
+        names = ", ".join(repr(n) for n in served) or "none"
+        super().__init__(
+            f"adapter {name!r} is not served (served adapters: {names})",
+            param="adapter",
+            code="adapter_not_found",
+        )
+        self.name = name
+
+
 class ModelError(MlxTrioError):
     """A model could not be found, imported or loaded."""
 
@@ -183,3 +199,10 @@ class RuntimeClosedError(RuntimeRefusal):
     """The runtime is shutting down or closed and admits nothing new."""
 
     code = "shutting_down"
+
+
+class AdapterError(ModelError):
+    """A LoRA adapter that cannot be read, or does not fit its base model
+    (``engine/model/adapters.py``); the message names the adapter and what does not fit."""
+
+    code = "adapter_error"

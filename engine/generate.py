@@ -23,16 +23,18 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .batch.alone import Select, no_adapters
 from .batch.caches import CacheAbilities, tokens_held
 from .batch.prompt_cache import PromptCache, default_budget_bytes
 from .batch.row import RowDecoder
 from .batch.schedule import TokenBudget, default_budget
 from .budget import MemoryLimit
-from .errors import EngineError, InvalidRequestError
+from .errors import EngineError, InvalidRequestError, UnknownAdapterError
 from .memory import ModelMemory, measure_model
 from .model import fused
+from .model.adapters import Adapters, AdapterSpec, mount
 from .model.loader import LoadedModel, load_model
-from .outputs import Delta, GenerationStats
+from .outputs import AdapterInfo, Delta, GenerationStats
 from .params import PreparedRequest, SamplingParams
 from .vocabulary.grammar import grammar_failure
 from .vocabulary.grammar_sandbox import GrammarSandbox, TokenizerSpec
@@ -71,6 +73,7 @@ class Generation:
         self._engine = engine
         self._request = request
         self._on_progress = on_progress
+        self._model = engine.model_for(engine.adapter_slot(request.adapter))
         self._decoder = RowDecoder(
             engine.tokenizer, request.params, num_prompt_tokens=len(request.prompt_tokens)
         )
@@ -79,7 +82,7 @@ class Generation:
         params = self._request.params
         prompt = list(self._request.prompt_tokens)
         prompt_cache = self._engine.prompt_cache
-        salt = self._request.cache_salt
+        salt = self._request.cache_partition
         hit = prompt_cache.take(prompt, salt) if prompt_cache is not None else None
         kv = hit.cache if hit is not None else make_prompt_cache(self._engine.model)
         skip = hit.num_tokens if hit is not None else 0
@@ -95,7 +98,7 @@ class Generation:
         processors = make_row_processors(params, self._engine.tokenizer)
         steps = generate_step(
             mx.array(prompt[skip:]),
-            self._engine.model,
+            self._model,
             max_tokens=params.max_tokens,
             sampler=with_injected_fault(make_row_sampler(params), self._request) or greedy_sampler,
             logits_processors=with_history(processors, prompt[:skip]),
@@ -127,7 +130,7 @@ class Generation:
         reporting progress out of ``total``; how many were fed."""
         step = self._engine.prefill_step_size
         for start in range(0, len(tokens), step):
-            self._engine.model(mx.array(tokens[start : start + step])[None], cache=kv)
+            self._model(mx.array(tokens[start : start + step])[None], cache=kv)
             mx.eval([c.state for c in kv])
             if self._on_progress is not None:
                 self._on_progress(min(start + step, len(tokens)), total)
@@ -135,6 +138,11 @@ class Generation:
 
     def stats(self) -> GenerationStats:
         return self._decoder.stats()
+
+
+def _with_adapter(model: Any, select: Select, slot: int, *args: Any, **kwargs: Any) -> Any:
+    with select([slot]):
+        return model(*args, **kwargs)
 
 
 def _offset_progress(on_progress: ProgressCallback | None, done: int) -> ProgressCallback | None:
@@ -222,13 +230,16 @@ class Engine:
         prompt_cache_bytes: int | None = 0,
         token_budget: TokenBudget | None = None,
         memory_limit: MemoryLimit | None = None,
+        adapters: Adapters | None = None,
     ):
         """``prompt_cache_bytes``: the prompt cache's budget; 0 turns it off, None picks
         :func:`default_budget_bytes`. ``token_budget``: how much prompt the batch prefills a
         step (``engine/batch/schedule.py``; None: the batch engine's fixed chunks).
         ``memory_limit``: the memory budget an ``EngineCore`` plans over this engine and sets
-        in MLX (None: none; ``engine/memory.py``); the model is measured for it here."""
+        in MLX (None: none; ``engine/memory.py``); the model is measured for it here.
+        ``adapters``: the LoRA adapters mounted over the model (``Adapters``; None: none)."""
         self.loaded = loaded
+        self.adapters = adapters
         self.token_budget = token_budget
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -260,16 +271,20 @@ class Engine:
         memory_limit: MemoryLimit | None = None,
         split: Callable[[Any], None] | None = None,
         fuse: bool | None = None,
+        adapters: Sequence[AdapterSpec] = (),
     ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
         budget is the device's (``default_budget``), with the limits given overriding it
         (``prefill_alone_from`` 0: no prompt prefills alone).
         ``split``: a rank keeps its part of the model, before its weights are read
         (``loader.load_model``). ``fuse``: one matmul for the projections that read the same
-        input (``engine/model/fused.py``; None: its default, on a GPU; never for a rank's part)."""
+        input (``engine/model/fused.py``; None: its default, on a GPU; never for a rank's part).
+        ``adapters``: LoRA adapters served beside the model, each row with its own
+        (``engine/model/adapters.py``); one that does not fit raises ``AdapterError``."""
         loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
         if split is None and fused.wanted(loaded.device, given=fuse):
             fused.fuse_projections(loaded.model)
+        mounted = mount(loaded.model, adapters) if adapters else None
         budget = default_budget(
             loaded.device,
             preparation=max_preparation_tokens,
@@ -291,11 +306,38 @@ class Engine:
             prompt_cache_bytes=prompt_cache_bytes,
             token_budget=budget,
             memory_limit=memory_limit,
+            adapters=mounted,
         )
 
     @property
     def model_id(self) -> str:
         return self.loaded.model_id
+
+    @property
+    def adapter_infos(self) -> tuple[AdapterInfo, ...]:
+        return () if self.adapters is None else self.adapters.describe()
+
+    def adapter_slot(self, name: str | None) -> int:
+        """The slot of the adapter served as ``name`` (None: the base model's, 0); raises
+        ``InvalidRequestError`` for a name not served."""
+        if name is None:
+            return 0
+        if self.adapters is None or name not in self.adapters.slots:
+            raise UnknownAdapterError(name, self.adapters.names if self.adapters else ())
+        return self.adapters.slot(name)
+
+    @property
+    def select_adapters(self) -> Select:
+        """``select(slots)``: a context in which the forwards built run row ``i`` with the
+        adapter of slot ``slots[i]`` (``Adapters.selecting``; no adapters: nothing to do)."""
+        return no_adapters if self.adapters is None else self.adapters.selecting
+
+    def model_for(self, slot: int) -> Any:
+        """The model as a callable whose every forward runs with the adapter of ``slot``
+        (0: the model itself), for mlx-lm's ``generate_step``."""
+        if slot == 0 or self.adapters is None:
+            return self.model
+        return functools.partial(_with_adapter, self.model, self.select_adapters, slot)
 
     @property
     def context_length(self) -> int:

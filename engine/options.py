@@ -10,13 +10,15 @@ runtime's own limits (batch size, queues, timeouts) are ``actors/config.py``'s
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from .budget import MemoryLimit
-from .errors import InvalidRequestError, check_at_least
+from .errors import AdapterError, InvalidRequestError, check_at_least
 from .ranks.rank_group import RankGroup
 
 if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here without it
@@ -25,6 +27,25 @@ if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here 
     from .generate import Engine
 
 Device = Literal["auto", "cpu", "gpu"]
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """An adapter to serve: the model id it is served as, and its directory."""
+
+    name: str
+    path: Path
+
+    @classmethod
+    def parse(cls, text: str) -> AdapterSpec:
+        """``NAME=PATH``, as ``serve --lora`` takes it (vLLM's ``--lora-modules``)."""
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise AdapterError(f"an adapter is NAME=PATH, got {text!r}")
+        if not ADAPTER_NAME.fullmatch(name):
+            raise AdapterError(f"adapter name {name!r}: letters, digits and ._:/- only")
+        return cls(name, Path(path).expanduser())
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +64,8 @@ class EngineOptions:
     loop (None: a process on a GPU, design/009). ``ranks``: run it over a group of ranks that
     ``mlx.launch`` starts, the model split over them (design/020; the prompt cache is off there).
     ``warm_up``: compile the kernels of every shape the runtime uses before the engine reports
-    started (GPU only).
+    started (GPU only). ``adapters``: LoRA adapters served beside the model, each as a model id
+    of its own (``engine/model/adapters.py``; not over ranks).
     """
 
     model: str | None = None
@@ -57,10 +79,13 @@ class EngineOptions:
     engine_process: bool | None = None
     ranks: RankGroup | None = None
     warm_up: bool = True
+    adapters: tuple[AdapterSpec, ...] = ()
 
     def __post_init__(self) -> None:
         check_at_least(self, 0, "prompt_cache_bytes", "prefill_alone_from")
         check_at_least(self, 1, "max_preparation_tokens", "max_iteration_tokens")
+        if self.adapters and self.ranks is not None:
+            raise InvalidRequestError("LoRA adapters are not served over ranks", param="adapters")
         if self.device not in ("auto", "cpu", "gpu"):
             raise InvalidRequestError(
                 f"device must be auto, cpu or gpu, got {self.device!r}", param="device"
@@ -84,6 +109,7 @@ class EngineOptions:
             prefill_alone_from=self.prefill_alone_from,
             memory_limit=limit,
             fuse=self.fuse,
+            adapters=self.adapters,
         )
 
 

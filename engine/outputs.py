@@ -90,3 +90,15 @@ class PromptCacheStatistics:
     bytes: int
     budget_bytes: int
     evictions: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """A LoRA adapter an engine serves (``engine/model/adapters.py``): the model id it is served
+    as, its directory, its rank and scale, and how many linear layers it changes."""
+
+    name: str
+    path: str
+    rank: int
+    scale: float
+    layers: int

@@ -145,13 +145,23 @@ class PreparedRequest:
     sampler fails inside MLX at its draw of that index (from 0; a batch row may have emitted
     one token fewer by then, as the batch draws a step ahead). Clients never set it.
     ``cache_salt``: the prompt cache's partition (``PromptCache``): a request reuses only what
-    requests of the same salt left (None: the shared one).
+    requests of the same salt left (None: the shared one). ``adapter``: the LoRA adapter it
+    runs with, by the name it is served as (None: the base model).
     """
 
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
     fail_sampler_at: int | None = None
     cache_salt: str | None = None
+    adapter: str | None = None
+
+    @property
+    def cache_partition(self) -> str | None:
+        """The prompt cache's partition: the salt's, apart per adapter, so that one adapter's
+        KV never serves another's prompt."""
+        if self.adapter is None:
+            return self.cache_salt
+        return "; ".join(p for p in (f"adapter {self.adapter}", self.cache_salt) if p)
 
 
 def _check_int(param: str, value: object, *, low: int, high: int | None = None) -> None:

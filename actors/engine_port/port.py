@@ -42,7 +42,7 @@ from ...engine.calls import (
 )
 from ...engine.errors import EngineError, EngineUnavailableError
 from ...engine.generate import RequestPreparer
-from ...engine.outputs import PromptCacheStatistics, RowEvent
+from ...engine.outputs import AdapterInfo, PromptCacheStatistics, RowEvent
 from ...engine.params import PreparedRequest, SamplingParams
 from ...engine.vocabulary.prompt import Prompt
 from ...engine.vocabulary.reply import ReplySyntax
@@ -196,6 +196,10 @@ class CorePort:
     @property
     def sampling_defaults(self) -> SamplingDefaults:
         return self._started.sampling_defaults
+
+    @property
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        return self._started.adapters
 
     @property
     def warmup(self) -> WarmupReport | None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 import trio
 
 from ...engine.budget import MemoryBudget, MemoryUsage
-from ...engine.outputs import PromptCacheStatistics, RowEvent, RowFailed, RowOutput
+from ...engine.outputs import AdapterInfo, PromptCacheStatistics, RowEvent, RowFailed, RowOutput
 from ...engine.params import PreparedRequest, SamplingParams
 from ...engine.vocabulary.prompt import Prompt
 from ...engine.vocabulary.reply import ReplySyntax
@@ -109,6 +109,10 @@ class FaultyEngine:
     @property
     def sampling_defaults(self) -> SamplingDefaults:
         return self.inner.sampling_defaults
+
+    @property
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        return self.inner.adapters
 
     @property
     def kv_bytes(self) -> int:

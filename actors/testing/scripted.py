@@ -19,6 +19,7 @@ import trio
 from ...engine.budget import MemoryBudget
 from ...engine.errors import EngineUnavailableError, InvalidRequestError
 from ...engine.outputs import (
+    AdapterInfo,
     Delta,
     FinishReason,
     GenerationStats,
@@ -115,6 +116,10 @@ class ScriptedEngine:
     @property
     def sampling_defaults(self) -> SamplingDefaults:
         return self._sampling_defaults
+
+    @property
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        return ()
 
     @property
     def kv_bytes(self) -> int:

@@ -22,7 +22,8 @@ padding.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,12 @@ if TYPE_CHECKING:
 PAD_GRANULE = 128
 
 Commit = Callable[[list[int], list[Any], str | None], None]
+# Builds the forwards inside with row i on adapter slot slots[i] (engine/model/adapters.py).
+Select = Callable[[Sequence[int]], AbstractContextManager[None]]
+
+
+def no_adapters(slots: Sequence[int]) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 @dataclass(slots=True)
@@ -70,10 +77,20 @@ class AloneRow:
 class AlonePrefill:
     """Rows prefilled one at a time, first come first (see the module docstring); called on the
     engine thread only. ``pad``: pad last chunks where the caches allow (off: a benchmark's
-    unpadded side)."""
+    unpadded side, and the CPU, which compiles nothing per shape). ``select``: each row's
+    forwards with its LoRA adapter (``Engine.select_adapters``)."""
 
-    def __init__(self, model: Any, *, max_chunk: int, checkpoints: bool, pad: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_chunk: int,
+        checkpoints: bool,
+        pad: bool = True,
+        select: Select = no_adapters,
+    ) -> None:
         self._model = model
+        self._select = select
         self._max_chunk = max_chunk
         # Models whose prompt-cache entries are reused from their exact end only get one where
         # a repeat of the request starts: its prompt but the last token (engine/batch/caches.py).
@@ -145,7 +162,8 @@ class AlonePrefill:
         pad = min(-chunk % PAD_GRANULE, self._max_chunk - chunk) if self._pads else 0
         if pad > 0:
             piece = piece + [piece[-1]] * pad
-        self._model(mx.array(piece)[None], cache=entry.caches)
+        with self._select([entry.row.adapter_slot]):
+            self._model(mx.array(piece)[None], cache=entry.caches)
         if pad > 0:
             for cache in entry.caches:
                 cache.trim(pad)

@@ -161,9 +161,10 @@ class BatchEngine:
         sampler = with_injected_fault(self._sampler_factory(request.params), request)
         if sampler is not None:
             sampler = guard_sampler(row_id, sampler, self._faults)
-        row = BatchRow.new(row_id, self._engine.tokenizer, request, sampler)
+        slot = self._engine.adapter_slot(request.adapter)
+        row = BatchRow.new(row_id, self._engine.tokenizer, request, sampler, slot)
         prompt = list(request.prompt_tokens)
-        start = PromptStart.take(self._engine.prompt_cache, prompt, request.cache_salt)
+        start = PromptStart.take(self._engine.prompt_cache, prompt, request.cache_partition)
         row.decoder.num_cached_tokens = start.num_cached
         if self._solo.can_start_from_prompt(len(self._rows), len(start.rest)):
             self._solo.start_from_prompt(row, prompt, start)

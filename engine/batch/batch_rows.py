@@ -13,6 +13,7 @@ prefilled one row at a time before they join it (``engine/batch/alone.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -61,6 +62,7 @@ class BatchRow:
     cache_salt: str | None = None  # its prompt-cache partition (PreparedRequest.cache_salt)
     # Prompt tokens prefilled alone before it joined mlx-lm's batch (its progress goes on from).
     prefilled_alone: int = 0
+    adapter_slot: int = 0  # its LoRA adapter's (engine/model/adapters.py; 0: the base model)
 
     @classmethod
     def new(
@@ -69,8 +71,10 @@ class BatchRow:
         tokenizer: TokenizerWrapper,
         request: PreparedRequest,
         sampler: Sampler | None,
+        adapter_slot: int = 0,
     ) -> BatchRow:
-        """A row for ``request``, sampling with ``sampler`` (None: greedy)."""
+        """A row for ``request``, sampling with ``sampler`` (None: greedy), on the adapter
+        ``adapter_slot``."""
         params = request.params
         decoder = RowDecoder(tokenizer, params, num_prompt_tokens=len(request.prompt_tokens))
         return cls(
@@ -81,7 +85,8 @@ class BatchRow:
             stops=StopSequences([[t] for t in sorted(decoder.stop_token_ids)] or None),
             wants_logprobs=params.logprobs,
             num_prompt_tokens=len(request.prompt_tokens),
-            cache_salt=request.cache_salt,
+            cache_salt=request.cache_partition,
+            adapter_slot=adapter_slot,
         )
 
     @property
@@ -196,15 +201,26 @@ class GeneratorRows:
         # (engine/batch/caches.py).
         self._checkpoints = engine.prompt_cache is not None and engine.caches.checkpoints
         # Log-probabilities only while a row wants them (engine/batch/lean_step.py).
-        lean_step.install(self._generator, self._wants_logprobs)
+        lean_step.install(self._generator, self._wants_logprobs, self._select_adapters)
         self._alone = AlonePrefill(
-            engine.model, max_chunk=budget.max_chunk, checkpoints=self._checkpoints
+            engine.model,
+            max_chunk=budget.max_chunk,
+            checkpoints=self._checkpoints,
+            pad=budget.alone_from is not None,
+            select=engine.select_adapters,
         )
 
     def _wants_logprobs(self, uids: Iterable[int]) -> bool:
         """Whether a row of ``uids`` wants log-probabilities (one not ours, to be safe)."""
         rows = self._row_of_uid
         return any((row := rows.get(uid)) is None or row.wants_logprobs for uid in uids)
+
+    def _select_adapters(self, uids: Iterable[int]) -> AbstractContextManager[None]:
+        """The forward of the rows ``uids`` with each row's adapter (one not ours: the base)."""
+        rows = self._row_of_uid
+        return self._engine.select_adapters(
+            [row.adapter_slot if (row := rows.get(uid)) is not None else 0 for uid in uids]
+        )
 
     def __len__(self) -> int:
         return len(self._row_of_uid) + len(self._alone)

@@ -22,27 +22,35 @@ parallel while the forward runs, and one ``where`` over the batch's logits.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from ..vocabulary.grammar import BatchMasks, GrammarProcessor, masked
 
 WantsLogprobs = Callable[[Sequence[int]], bool]
+# The forwards built inside run each row with its LoRA adapter (engine/model/adapters.py).
+SelectAdapters = Callable[[Sequence[int]], AbstractContextManager[None]]
 
 
 class LeanGenerationBatch(GenerationBatch):
     """See the module docstring. ``wants_logprobs(uids)``: whether a row of those wants them."""
 
     wants_logprobs: WantsLogprobs
+    select_adapters: SelectAdapters
 
     def _step(self) -> tuple[list[int], list[mx.array]]:
-        if self.wants_logprobs(self.uids):
-            return super()._step()
+        with self.select_adapters(self.uids):
+            if self.wants_logprobs(self.uids):
+                return super()._step()
+            return self._lean_step()
+
+    def _lean_step(self) -> tuple[list[int], list[mx.array]]:
         # mlx-lm 0.32.2's GenerationBatch._step, but for the normalization.
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
@@ -101,9 +109,34 @@ class LeanGenerationBatch(GenerationBatch):
         return tokens, self._current_logprobs
 
 
-def install(generator: BatchGenerator, wants_logprobs: WantsLogprobs) -> None:
+class AdapterPromptBatch(PromptProcessingBatch):
+    """mlx-lm's prompt batch, each row's forwards with its own LoRA adapter: its prefill
+    chunks, and the first decode step that ``generate`` runs as it hands the rows on. A
+    subclass per generator holds ``select_adapters`` (mlx-lm's ``split`` copies a batch by
+    its class and known fields only)."""
+
+    select_adapters: SelectAdapters
+
+    def prompt(self, tokens: list[list[int]]) -> None:
+        with self.select_adapters(self.uids):
+            super().prompt(tokens)
+
+    def generate(self, tokens: list[list[int]]) -> GenerationBatch:
+        with self.select_adapters(self.uids):
+            return super().generate(tokens)
+
+
+def install(
+    generator: BatchGenerator, wants_logprobs: WantsLogprobs, select_adapters: SelectAdapters
+) -> None:
     """Make ``generator``'s generation batch (created with it, and extended with every new
-    group of rows) a :class:`LeanGenerationBatch`."""
+    group of rows) a :class:`LeanGenerationBatch`, and its prompt batch (the same) an
+    :class:`AdapterPromptBatch`; ``select_adapters(uids)``: the rows' forwards, each with its
+    adapter."""
     batch = generator._generation_batch
     batch.__class__ = LeanGenerationBatch
     batch.wants_logprobs = wants_logprobs  # type: ignore[attr-defined]
+    batch.select_adapters = select_adapters  # type: ignore[attr-defined]
+    prompts = type("GeneratorPromptBatch", (AdapterPromptBatch,), {})
+    prompts.select_adapters = staticmethod(select_adapters)  # type: ignore[assignment]
+    generator._prompt_batch.__class__ = prompts

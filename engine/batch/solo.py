@@ -105,7 +105,7 @@ class SoloRow:
         hold ``history``), then the row's remaining tokens."""
         return generate_step(
             mx.array(prompt),
-            self._engine.model,
+            self._engine.model_for(row.adapter_slot),
             max_tokens=row.remaining_tokens,
             sampler=row.sampler or greedy_sampler,
             logits_processors=with_history(row.processors, history),

@@ -10,6 +10,7 @@ in the ``LoadedModel`` an ``Engine`` takes, as a checkpoint loaded by ``loader``
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -101,3 +102,28 @@ def in_memory(
         context_length=context_length,
         device=device,
     )
+
+
+def random_adapter(
+    model: nn.Module, out: Path, *, seed: int, rank: int, keys: Sequence[str], layers: int = 8
+) -> Path:
+    """An mlx-lm LoRA adapter directory for ``model``'s shape in ``out``, as ``mlx_lm.lora``
+    saves one (its config and ``adapters.safetensors``), with seeded random weights (a fresh
+    adapter's ``lora_b`` is zero: it would change nothing). ``model`` gets mlx-lm's LoRA
+    layers over its last ``layers`` layers: pass one to spare."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model.freeze()
+    parameters = {"rank": rank, "scale": 10.0, "dropout": 0.0, "keys": list(keys)}
+    linear_to_lora_layers(model, layers, parameters)
+    mx.random.seed(seed)
+    weights = {
+        name: mx.random.normal(value.shape) * 0.05
+        for name, value in tree_flatten(model.trainable_parameters())
+    }
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": parameters}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
