@@ -26,6 +26,7 @@ PUBLIC = {
     "OverloadedError", "RuntimeClosedError", "EngineError", "EngineUnavailableError",
     "ModelError",
     "ModelNotFoundError", "UnsupportedModelError", "ModelImportError", "SecondReaderError",
+    "AdapterSpec", "AdapterInfo", "AdapterError", "UnknownAdapterError",
 }  # fmt: skip
 
 
