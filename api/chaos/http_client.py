@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import fields
 from functools import partial
 from typing import Any
 
@@ -63,7 +64,10 @@ async def open_over_http(engine: EnginePort, config: RuntimeConfig) -> AsyncIter
 
 
 def _runtime_statistics(data: dict[str, Any]) -> RuntimeStatistics:
-    """Rebuild :class:`RuntimeStatistics` from GET /v1/stats (``asdict`` of it)."""
+    """Rebuild :class:`RuntimeStatistics` from GET /v1/stats (``asdict`` of it, with the
+    HTTP edge's own keys beside it, such as ``adapters``, left out)."""
+    known = {f.name for f in fields(RuntimeStatistics)}
+    data = {key: value for key, value in data.items() if key in known}
     cache = data.get("prompt_cache")
     budget = data.get("memory_budget")
     memory = data.get("memory")
