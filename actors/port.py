@@ -67,6 +67,11 @@ class EnginePort(Protocol):
         ...
 
     @property
+    def kv_scheme(self) -> str:
+        """How rows keep their keys and values: quantized (``--kv-bits``) or not."""
+        ...
+
+    @property
     def kv_bytes(self) -> int:
         """KV bytes held by live rows, as of the last engine call."""
         ...

@@ -21,6 +21,7 @@ from .cli_flags import (
     MODEL_HELP,
     add_adapter_path,
     add_device,
+    add_kv_bits,
     add_memory_limit,
     add_sampling_flags,
     engine_options,
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device(generate)
     add_memory_limit(generate)
     add_adapter_path(generate)
+    add_kv_bits(generate)
     add_sampling_flags(generate)
     add_rank_flags(generate)
 

@@ -24,6 +24,7 @@ from .cli_flags import (
     MODEL_HELP,
     add_default_flags,
     add_device,
+    add_kv_bits,
     add_memory_limit,
     engine_options,
     flag_defaults,
@@ -204,6 +205,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help="prompt cache budget (default: 1/8 of memory, at most 8 GiB; 0 turns it off)",
     )
     add_memory_limit(serve)
+    add_kv_bits(serve)
     add_rank_flags(serve)
 
 

@@ -217,7 +217,8 @@ class Api:
             }
             for a in (rt.adapters if rt is not None else ())
         ]
-        return JSONResponse(asdict(stats) | {"adapters": adapters})
+        scheme = rt.kv_scheme if rt is not None else None
+        return JSONResponse(asdict(stats) | {"adapters": adapters, "kv_scheme": scheme})
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]

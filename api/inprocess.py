@@ -150,6 +150,11 @@ class RuntimeHandle:
         return self._runtime.engine.adapters
 
     @property
+    def kv_scheme(self) -> str:
+        """How rows keep their keys and values: quantized (``kv_bits``) or not."""
+        return self._runtime.engine.kv_scheme
+
+    @property
     def sampling_defaults(self) -> SamplingDefaults:
         """What a request whose ``params`` is None gets, over OpenAI's values: the model's
         ``generation_config.json``."""

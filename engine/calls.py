@@ -158,6 +158,7 @@ class EngineStarted:
     memory: MemoryBudget | None = None
     unbatchable: str | None = None
     adapters: tuple[AdapterInfo, ...] = ()
+    kv_scheme: str = ""  # how rows keep keys and values (``KVScheme.describe``)
 
     @classmethod
     def of(cls, core: EngineCore, warmup: WarmupReport | None = None) -> EngineStarted:
@@ -169,6 +170,7 @@ class EngineStarted:
             core.memory,
             engine.caches.unbatchable_reason,
             engine.adapter_infos,
+            engine.kv_scheme.describe(),
         )
 
 

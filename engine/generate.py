@@ -19,17 +19,22 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 # isort: split
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .batch.alone import Select, no_adapters
 from .batch.caches import CacheAbilities, tokens_held
 from .batch.prompt_cache import PromptCache, default_budget_bytes
+from .batch.quantized_kv import FULL_KV, KVScheme
 from .batch.row import RowDecoder
 from .batch.schedule import TokenBudget, default_budget
 from .budget import MemoryLimit
-from .errors import EngineError, InvalidRequestError, UnknownAdapterError
+from .errors import (
+    EngineError,
+    InvalidRequestError,
+    UnknownAdapterError,
+    UnsupportedModelError,
+)
 from .memory import ModelMemory, measure_model
 from .model import fused
 from .model.adapters import Adapters, AdapterSpec, mount
@@ -84,7 +89,7 @@ class Generation:
         prompt_cache = self._engine.prompt_cache
         salt = self._request.cache_partition
         hit = prompt_cache.take(prompt, salt) if prompt_cache is not None else None
-        kv = hit.cache if hit is not None else make_prompt_cache(self._engine.model)
+        kv = hit.cache if hit is not None else self._engine.new_caches()
         skip = hit.num_tokens if hit is not None else 0
         self._decoder.num_cached_tokens = skip
         on_progress = self._on_progress
@@ -138,6 +143,18 @@ class Generation:
 
     def stats(self) -> GenerationStats:
         return self._decoder.stats()
+
+
+def _check_scheme(model: Any, caches: list[Any], scheme: KVScheme) -> None:
+    """Feed one token through ``caches`` of ``scheme``: a head size the groups do not divide
+    is a one-line error at load, not a failed first request."""
+    try:
+        mx.eval(model(mx.array([[0]]), cache=caches))
+    except (ValueError, RuntimeError) as exc:
+        raise UnsupportedModelError(
+            f"--kv-bits {scheme.bits} with groups of {scheme.group_size} does not fit this "
+            f"model's keys and values: {exc}"
+        ) from None
 
 
 def _with_adapter(model: Any, select: Select, slot: int, *args: Any, **kwargs: Any) -> Any:
@@ -231,21 +248,27 @@ class Engine:
         token_budget: TokenBudget | None = None,
         memory_limit: MemoryLimit | None = None,
         adapters: Adapters | None = None,
+        kv_scheme: KVScheme = FULL_KV,
     ):
         """``prompt_cache_bytes``: the prompt cache's budget; 0 turns it off, None picks
         :func:`default_budget_bytes`. ``token_budget``: how much prompt the batch prefills a
         step (``engine/batch/schedule.py``; None: the batch engine's fixed chunks).
         ``memory_limit``: the memory budget an ``EngineCore`` plans over this engine and sets
         in MLX (None: none; ``engine/memory.py``); the model is measured for it here.
-        ``adapters``: the LoRA adapters mounted over the model (``Adapters``; None: none)."""
+        ``adapters``: the LoRA adapters mounted over the model (``Adapters``; None: none).
+        ``kv_scheme``: how rows keep their keys and values (``batch/quantized_kv.py``)."""
         self.loaded = loaded
         self.adapters = adapters
         self.token_budget = token_budget
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.prefill_step_size = prefill_step_size
-        self.caches = CacheAbilities.of(self.model)
-        logger.info("%s: %s", loaded.model_id, self.caches.describe())
+        self.kv_scheme = kv_scheme
+        self._make_caches = kv_scheme.maker()
+        self.caches = CacheAbilities.of(self.model, self._make_caches)
+        if kv_scheme.bits is not None:
+            _check_scheme(self.model, self.new_caches(), kv_scheme)
+        logger.info("%s: %s; %s", loaded.model_id, self.caches.describe(), kv_scheme.describe())
         self.preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
         # Over several ranks: rank 0 sends its calls to the others (engine/ranks/distributed.py).
         self.lockstep: Lockstep | None = None
@@ -255,7 +278,9 @@ class Engine:
         self.memory_limit = memory_limit
         self.model_memory: ModelMemory | None = None
         if memory_limit is not None:
-            self.model_memory = measure_model(self.model, vocab_size=self.vocab_size)
+            self.model_memory = measure_model(
+                self.model, vocab_size=self.vocab_size, make=self._make_caches
+            )
         byte_level_table(self.tokenizer)  # built here (0.4 s for 128k ids), not by a request
 
     @classmethod
@@ -272,6 +297,7 @@ class Engine:
         split: Callable[[Any], None] | None = None,
         fuse: bool | None = None,
         adapters: Sequence[AdapterSpec] = (),
+        kv_scheme: KVScheme = FULL_KV,
     ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
         budget is the device's (``default_budget``), with the limits given overriding it
@@ -280,7 +306,8 @@ class Engine:
         (``loader.load_model``). ``fuse``: one matmul for the projections that read the same
         input (``engine/model/fused.py``; None: its default, on a GPU; never for a rank's part).
         ``adapters``: LoRA adapters served beside the model, each row with its own
-        (``engine/model/adapters.py``); one that does not fit raises ``AdapterError``."""
+        (``engine/model/adapters.py``); one that does not fit raises ``AdapterError``.
+        ``kv_scheme``: the rows' keys and values quantized or not (``batch/quantized_kv.py``)."""
         loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
         if split is None and fused.wanted(loaded.device, given=fuse):
             fused.fuse_projections(loaded.model)
@@ -307,11 +334,16 @@ class Engine:
             token_budget=budget,
             memory_limit=memory_limit,
             adapters=mounted,
+            kv_scheme=kv_scheme,
         )
 
     @property
     def model_id(self) -> str:
         return self.loaded.model_id
+
+    def new_caches(self) -> list[Any]:
+        """A fresh set of the model's caches for one row, under the engine's KV scheme."""
+        return self._make_caches(self.model)
 
     @property
     def adapter_infos(self) -> tuple[AdapterInfo, ...]:

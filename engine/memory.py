@@ -17,8 +17,10 @@ import math
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
@@ -58,13 +60,19 @@ class ModelMemory:
     vocab: int | None
 
 
-def measure_model(model: nn.Module, *, vocab_size: int | None = None) -> ModelMemory:
+def measure_model(
+    model: nn.Module,
+    *,
+    vocab_size: int | None = None,
+    make: Callable[[nn.Module], list[Any]] = make_prompt_cache,
+) -> ModelMemory:
     """Measure ``model``: its parameters' bytes, and its KV from a cache it makes, fed one
     token (lazily: only shapes are read, nothing is computed). A layer that caches keys and
     values per token (a window too) counts its buffer's bytes over its slots; any other (a
-    recurrent state) counts toward every row whatever its length."""
+    recurrent state) counts toward every row whatever its length. ``make``: the caches of the
+    engine's KV scheme (``quantized_kv.KVScheme``)."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    caches = make_prompt_cache(model)
+    caches = make(model)
     model(mx.array([[0]]), cache=caches)
     per_token = 0.0
     per_row = 0

@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here 
     from .generate import Engine
 
 Device = Literal["auto", "cpu", "gpu"]
+KV_BITS = (4, 8)  # what --kv-bits takes (mlx.core.quantize's, as mlx-lm's QuantizedKVCache)
+KV_GROUP_SIZES = (32, 64, 128)
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
 
@@ -65,7 +67,9 @@ class EngineOptions:
     ``mlx.launch`` starts, the model split over them (design/020; the prompt cache is off there).
     ``warm_up``: compile the kernels of every shape the runtime uses before the engine reports
     started (GPU only). ``adapters``: LoRA adapters served beside the model, each as a model id
-    of its own (``engine/model/adapters.py``; not over ranks).
+    of its own (``engine/model/adapters.py``; not over ranks). ``kv_bits``: keys and values
+    kept quantized to 4 or 8 bits, groups of ``kv_group_size`` (``batch/quantized_kv.py``;
+    None: in the model's dtype).
     """
 
     model: str | None = None
@@ -80,8 +84,21 @@ class EngineOptions:
     ranks: RankGroup | None = None
     warm_up: bool = True
     adapters: tuple[AdapterSpec, ...] = ()
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
     def __post_init__(self) -> None:
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise InvalidRequestError(
+                f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits!r}",
+                param="kv_bits",
+            )
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            sizes = ", ".join(map(str, KV_GROUP_SIZES))
+            raise InvalidRequestError(
+                f"kv_group_size must be one of {sizes}, got {self.kv_group_size!r}",
+                param="kv_group_size",
+            )
         check_at_least(self, 0, "prompt_cache_bytes", "prefill_alone_from")
         check_at_least(self, 1, "max_preparation_tokens", "max_iteration_tokens")
         if self.adapters and self.ranks is not None:
@@ -94,6 +111,7 @@ class EngineOptions:
     def loader(self) -> Callable[[], Engine]:
         """``Engine.load`` with these options, picklable: a child process or a rank calls it.
         The memory limit is the device's default where none was given."""
+        from .batch.quantized_kv import KVScheme
         from .budget import default_limit
         from .generate import Engine
         from .model.loader import runs_on_gpu
@@ -110,6 +128,7 @@ class EngineOptions:
             memory_limit=limit,
             fuse=self.fuse,
             adapters=self.adapters,
+            kv_scheme=KVScheme(self.kv_bits, self.kv_group_size),
         )
 
 

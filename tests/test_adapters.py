@@ -45,18 +45,15 @@ def chat(text: str) -> tuple[ChatMessage, ...]:
     return (ChatMessage("user", text),)
 
 
-def make_adapter(out: Path, seed: int, *, rank: int, keys: tuple[str, ...]) -> Path:
-    return random_adapter(
-        load_model(None, device="cpu").model, out, seed=seed, rank=rank, keys=keys
-    )
-
-
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two adapters of the default model: rank 4 over attention projections, rank 8 over MLP
+    ones, each over its last 8 layers."""
     root = tmp_path_factory.mktemp("adapters")
+    model = load_model(None, device="cpu").model
     return {
-        "cat": make_adapter(root / "cat", 1, rank=4, keys=ATTENTION),
-        "wide": make_adapter(root / "wide", 2, rank=8, keys=MLP),
+        "cat": random_adapter(model, root / "cat", seed=1, rank=4, keys=ATTENTION),
+        "wide": random_adapter(model, root / "wide", seed=2, rank=8, keys=MLP),
     }
 
 

@@ -202,6 +202,11 @@ class CorePort:
         return self._started.adapters
 
     @property
+    def kv_scheme(self) -> str:
+        """How rows keep their keys and values (quantized or in the model's dtype)."""
+        return self._started.kv_scheme
+
+    @property
     def warmup(self) -> WarmupReport | None:
         """The warm-up's report, if the engine was warmed up."""
         return self._started.warmup

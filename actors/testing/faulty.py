@@ -115,6 +115,10 @@ class FaultyEngine:
         return self.inner.adapters
 
     @property
+    def kv_scheme(self) -> str:
+        return self.inner.kv_scheme
+
+    @property
     def kv_bytes(self) -> int:
         return self.inner.kv_bytes
 

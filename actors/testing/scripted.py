@@ -122,6 +122,10 @@ class ScriptedEngine:
         return ()
 
     @property
+    def kv_scheme(self) -> str:
+        return "scripted"
+
+    @property
     def kv_bytes(self) -> int:
         rows = list(self._rows.values()) + ([self._serial] if self._serial else [])
         return sum((r.prefilled + r.generated) * BYTES_PER_TOKEN for r in rows)

@@ -78,7 +78,8 @@ class AlonePrefill:
     """Rows prefilled one at a time, first come first (see the module docstring); called on the
     engine thread only. ``pad``: pad last chunks where the caches allow (off: a benchmark's
     unpadded side, and the CPU, which compiles nothing per shape). ``select``: each row's
-    forwards with its LoRA adapter (``Engine.select_adapters``)."""
+    forwards with its LoRA adapter (``Engine.select_adapters``). ``make_caches(model)``: a
+    row's fresh caches (``Engine.new_caches``'s scheme)."""
 
     def __init__(
         self,
@@ -88,14 +89,16 @@ class AlonePrefill:
         checkpoints: bool,
         pad: bool = True,
         select: Select = no_adapters,
+        make_caches: Callable[[Any], list[Any]] = make_prompt_cache,
     ) -> None:
         self._model = model
+        self._make_caches = make_caches
         self._select = select
         self._max_chunk = max_chunk
         # Models whose prompt-cache entries are reused from their exact end only get one where
         # a repeat of the request starts: its prompt but the last token (engine/batch/caches.py).
         self._checkpoints = checkpoints
-        self._pads = pad and all(type(c) is KVCache for c in make_prompt_cache(model))
+        self._pads = pad and all(type(c) is KVCache for c in make_caches(model))
         self._rows: dict[int, AloneRow] = {}
 
     def __len__(self) -> int:
@@ -119,7 +122,7 @@ class AlonePrefill:
         ``context`` (None: fresh caches)."""
         assert len(rest) >= 2, "a row prefilled alone has a prompt of at least 2 tokens"
         if caches is None:
-            caches = make_prompt_cache(self._model)
+            caches = self._make_caches(self._model)
         self._rows[row.id] = AloneRow(row, rest, list(context or []), caches)
 
     def drop(self, row_id: int) -> AloneRow | None:

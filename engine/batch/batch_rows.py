@@ -208,6 +208,7 @@ class GeneratorRows:
             checkpoints=self._checkpoints,
             pad=budget.alone_from is not None,
             select=engine.select_adapters,
+            make_caches=lambda _model: engine.new_caches(),
         )
 
     def _wants_logprobs(self, uids: Iterable[int]) -> bool:
@@ -253,7 +254,10 @@ class GeneratorRows:
         cache: list[Any] | None,
         context: list[int] | None,
     ) -> None:
-        """Add a row to prefill ``prompt`` on top of ``cache`` (which holds ``context``)."""
+        """Add a row to prefill ``prompt`` on top of ``cache`` (which holds ``context``; None:
+        fresh caches of the engine's KV scheme)."""
+        if cache is None:
+            cache, context = self._engine.new_caches(), None
         (uid,) = self._generator.insert(
             [prompt],
             max_tokens=[max_tokens],

@@ -23,7 +23,7 @@ design/022-caches.md has the table of cache types and what each supports.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,9 +52,10 @@ class CacheAbilities:
     checkpoints: bool
 
     @classmethod
-    def of(cls, model: Any) -> CacheAbilities:
-        """Ask a fresh set of ``model``'s caches (empty: nothing is computed)."""
-        caches = make_prompt_cache(model)
+    def of(cls, model: Any, make: Callable[[Any], list[Any]] = make_prompt_cache) -> CacheAbilities:
+        """Ask a fresh set of ``model``'s caches, as ``make`` makes them (empty: nothing is
+        computed)."""
+        caches = make(model)
         kinds = tuple(dict.fromkeys(_kind(c) for c in caches))
         return cls(
             kinds=kinds,

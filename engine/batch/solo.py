@@ -24,7 +24,6 @@ from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 # isort: split
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..generate import Engine
@@ -94,7 +93,7 @@ class SoloRow:
         assert self._run is None
         caches = start.hit_cache
         if caches is None:
-            caches = make_prompt_cache(self._engine.model)
+            caches = self._engine.new_caches()
         steps = self._steps(row, start.rest, caches, history=start.context or [])
         self._run = _Run(row.id, steps, caches, list(prompt), start)
 

@@ -108,22 +108,30 @@ def random_adapter(
     model: nn.Module, out: Path, *, seed: int, rank: int, keys: Sequence[str], layers: int = 8
 ) -> Path:
     """An mlx-lm LoRA adapter directory for ``model``'s shape in ``out``, as ``mlx_lm.lora``
-    saves one (its config and ``adapters.safetensors``), with seeded random weights (a fresh
-    adapter's ``lora_b`` is zero: it would change nothing). ``model`` gets mlx-lm's LoRA
-    layers over its last ``layers`` layers: pass one to spare."""
+    saves one (its config, and ``lora_a`` and ``lora_b`` for the linears named by ``keys``,
+    such as ``self_attn.q_proj``, of the last ``layers`` layers), with seeded random weights
+    (a fresh adapter's ``lora_b`` is zero: it would change nothing). ``model`` is only read."""
     from mlx.utils import tree_flatten
-    from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    model.freeze()
-    parameters = {"rank": rank, "scale": 10.0, "dropout": 0.0, "keys": list(keys)}
-    linear_to_lora_layers(model, layers, parameters)
     mx.random.seed(seed)
-    weights = {
-        name: mx.random.normal(value.shape) * 0.05
-        for name, value in tree_flatten(model.trainable_parameters())
-    }
+    blocks = model.layers[-layers:]
+    first = len(model.layers) - len(blocks)
+    prefix = next(
+        name.removesuffix(".0") for name, m in model.named_modules() if m is model.layers[0]
+    )
+    weights = {}
+    for index, block in enumerate(blocks, start=first):
+        for key in keys:
+            linear = dict(tree_flatten(block.leaf_modules(), is_leaf=nn.Module.is_module))[key]
+            outputs, inputs = linear.weight.shape
+            if isinstance(linear, nn.QuantizedLinear):
+                inputs = inputs * 32 // linear.bits
+            name = f"{prefix}.{index}.{key}"
+            weights[f"{name}.lora_a"] = mx.random.normal((inputs, rank)) * 0.05
+            weights[f"{name}.lora_b"] = mx.random.normal((rank, outputs)) * 0.05
     out.mkdir(parents=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    parameters = {"rank": rank, "scale": 10.0, "dropout": 0.0, "keys": list(keys)}
     config = {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": parameters}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
