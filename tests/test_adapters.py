@@ -35,7 +35,7 @@ from tests.test_engine import run_batch
 
 pytestmark = pytest.mark.e2e
 
-GREEDY = SamplingParams(temperature=0, max_tokens=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = ("Tell me a story about a cat.", "What is the capital of France?")
 ATTENTION = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
 MLP = ("self_attn.k_proj", "mlp.up_proj")
@@ -192,9 +192,13 @@ def test_over_http_adapters_are_models_and_mixed_streams_match_each_alone(server
     assert models["cat"].model_extra["parent"] == base
     assert models["wide"].model_extra["adapter"]["rank"] == 8
 
+    jobs = [(model, text) for model in (base, "cat") for text in PROMPTS for _ in range(2)]
+
     def alone(adapter: str | None, text: str) -> str:
         request = replace(engine.prepare(chat(text), GREEDY), adapter=adapter)
         return "".join(delta.text for delta in engine.generate(request))
+
+    want = {(model, text): alone(None if model == base else model, text) for model, text in jobs}
 
     async def stream(sdk: openai.AsyncOpenAI, model: str, text: str) -> str:
         chunks = await sdk.chat.completions.create(
@@ -206,8 +210,6 @@ def test_over_http_adapters_are_models_and_mixed_streams_match_each_alone(server
             extra_body={"repetition_penalty": 1.0},  # the model's default is 1.1; GREEDY's off
         )
         return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
-
-    jobs = [(model, text) for model in (base, "cat") for text in PROMPTS for _ in range(2)]
 
     async def main() -> list[str]:
         results: list[str] = [""] * len(jobs)
@@ -222,8 +224,8 @@ def test_over_http_adapters_are_models_and_mixed_streams_match_each_alone(server
         return results
 
     got = trio.run(main)
-    for (model, text), reply in zip(jobs, got, strict=True):
-        assert reply == alone(None if model == base else model, text), (model, text)
+    for job, reply in zip(jobs, got, strict=True):
+        assert reply == want[job], job
     stats = httpx.get(f"{server.url}/v1/stats").json()["adapters"]
     assert {a["name"]: a["requests"] for a in stats} == {"cat": 4, "wide": 0}
 

@@ -232,27 +232,27 @@ def test_the_harness_runs_one_cheap_system(tmp_path: Path) -> None:
 
 
 def test_one_at_a_time_stops_each_system_before_the_next_starts(tmp_path: Path) -> None:
-    """A model too large for two servers at once: the second server starts only after the
-    first was measured at every level and stopped, and both are in the table."""
+    """A model too large for two systems at once: the second starts only after the first was
+    measured and stopped, and both are in the table."""
     out = tmp_path / "suite.json"
     done = mlx_trio(
-        *("bench", "--systems", "mlx-trio-inprocess,mlx-trio-http", "--one-at-a-time"),
+        *("bench", "--systems", "batch_generator,mlx-trio-inprocess", "--one-at-a-time"),
         *("--concurrency", "2", "--max-tokens", "4", "--no-cancel-probe", "--out", str(out)),
         timeout=180,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     log = done.stderr
     order = [
+        log.index("starting batch_generator"),
+        log.index("mlx-lm BatchGenerator [chat], 2 streams:"),
+        log.index("stopping batch_generator"),
         log.index("starting mlx-trio-inprocess"),
         log.index("mlx-trio in-process [chat], 2 streams:"),
-        log.index("stopping mlx-trio-inprocess"),
-        log.index("starting mlx-trio-http"),
-        log.index("mlx-trio HTTP [chat], 2 streams:"),
     ]
     assert order == sorted(order), log[-3000:]
     systems = json.loads(out.read_text())["systems"]
     assert [[lv["clients"] for lv in s["levels"]] for s in systems] == [[2], [2]]
-    assert "| 2 | mlx-trio HTTP |" in done.stdout
+    assert "| 2 | mlx-trio in-process |" in done.stdout
 
 
 @pytest.mark.slow
