@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -47,7 +48,7 @@ def chat(text: str) -> tuple[ChatMessage, ...]:
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     """4 bits, where quantization moves the numbers most (8 bits: the bytes test below)."""
-    return Engine.load(None, device="cpu", kv_scheme=KVScheme(4, 64))
+    return Engine.load(None, device="cpu", prompt_cache_bytes=1 << 28, kv_scheme=KVScheme(4, 64))
 
 
 def mlx_lm_quantized(engine: Engine, text: str) -> list[int]:
@@ -82,9 +83,9 @@ def test_quantized_rows_batch_and_give_mlx_lms_quantized_generation(engine):
     got = run_batch(batch)
     for row, tokens in zip(rows, want, strict=True):
         assert got[row][:FIRST] == tokens[:FIRST] and len(tokens) >= FIRST
-    serial = [
-        t for d in engine.generate(engine.prepare(chat(PROMPTS[1]), GREEDY)) for t in d.token_ids
-    ]
+    # A salt of its own: the batch left this prompt in the prompt cache.
+    request = replace(engine.prepare(chat(PROMPTS[1]), GREEDY), cache_salt="serial")
+    serial = [t for d in engine.generate(request) for t in d.token_ids]
     assert serial == want[1]
 
 
@@ -107,16 +108,15 @@ def test_quantized_rows_hold_a_fraction_of_the_bytes_and_the_budget_counts_it():
 
 
 def test_a_quantized_prompt_cache_hit_is_reused(engine):
-    prompt = engine.prepare(chat("Name three colours of the rainbow, please."), GREEDY)
-    cached = Engine.load(None, device="cpu", prompt_cache_bytes=1 << 28, kv_scheme=engine.kv_scheme)
-    first = cached.generate(
-        cached.prepare(chat("Name three colours of the rainbow, please."), GREEDY)
+    prompt = replace(
+        engine.prepare(chat("Name three colours of the rainbow, please."), GREEDY),
+        cache_salt="colours",  # apart from the other tests' entries
     )
+    first = engine.generate(prompt)
     text = "".join(d.text for d in first)
-    again = cached.generate(
-        cached.prepare(chat("Name three colours of the rainbow, please."), GREEDY)
-    )
+    again = engine.generate(prompt)
     assert "".join(d.text for d in again) == text
+    assert first.stats().cached_tokens == 0
     assert again.stats().cached_tokens >= len(prompt.prompt_tokens) - 1
 
 
