@@ -215,44 +215,32 @@ def test_measurements_become_json_the_report_reads() -> None:
 
 
 @pytest.mark.slow
-def test_the_harness_runs_one_cheap_system(tmp_path: Path) -> None:
-    out = tmp_path / "suite.json"
-    done = mlx_trio(
-        *("bench", "--systems", "mlx-trio-inprocess", "--concurrency", "1", "--max-tokens", "4"),
-        *("--no-cancel-probe", "--out", str(out)),
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "(1/1) mlx-trio in-process [chat], 1 streams:" in done.stderr
-    (system,) = json.loads(out.read_text())["systems"]
-    (level,) = system["levels"]
-    assert (level["scenario"], level["clients"], level["num_errors"]) == ("chat", 1, 0)
-    assert 1 <= level["completion_tokens"] <= 4
-    assert "| 1 | mlx-trio in-process |" in done.stdout
-
-
-def test_one_at_a_time_stops_each_system_before_the_next_starts(tmp_path: Path) -> None:
-    """A model too large for two systems at once: the second starts only after the first was
-    measured and stopped, and both are in the table."""
+def test_the_harness_runs_two_cheap_systems_one_at_a_time(tmp_path: Path) -> None:
+    """Two in-process systems at one level, each started only for its own runs (a model too
+    large for two systems at once): the second starts after the first was measured and
+    stopped, and both are in the JSON and the table."""
     out = tmp_path / "suite.json"
     done = mlx_trio(
         *("bench", "--systems", "batch_generator,mlx-trio-inprocess", "--one-at-a-time"),
-        *("--concurrency", "2", "--max-tokens", "4", "--no-cancel-probe", "--out", str(out)),
+        *("--concurrency", "1", "--max-tokens", "4", "--no-cancel-probe", "--out", str(out)),
         timeout=180,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     log = done.stderr
     order = [
         log.index("starting batch_generator"),
-        log.index("mlx-lm BatchGenerator [chat], 2 streams:"),
+        log.index("(1/2) mlx-lm BatchGenerator [chat], 1 streams:"),
         log.index("stopping batch_generator"),
         log.index("starting mlx-trio-inprocess"),
-        log.index("mlx-trio in-process [chat], 2 streams:"),
+        log.index("(2/2) mlx-trio in-process [chat], 1 streams:"),
     ]
     assert order == sorted(order), log[-3000:]
     systems = json.loads(out.read_text())["systems"]
-    assert [[lv["clients"] for lv in s["levels"]] for s in systems] == [[2], [2]]
-    assert "| 2 | mlx-trio in-process |" in done.stdout
+    assert [[lv["clients"] for lv in s["levels"]] for s in systems] == [[1], [1]]
+    level = systems[1]["levels"][0]
+    assert (level["scenario"], level["num_errors"]) == ("chat", 0)
+    assert 1 <= level["completion_tokens"] <= 4
+    assert "| 1 | mlx-trio in-process |" in done.stdout
 
 
 @pytest.mark.slow
