@@ -112,6 +112,7 @@ class _Selection:
         self.single: int | None = None
         self.mask: mx.array | None = None
         self.scales: mx.array | None = None
+        self._masks: dict[mx.Dtype, mx.array] = {}
 
     def set(self, slots: Sequence[int]) -> None:
         if len(set(slots)) == 1:
@@ -122,8 +123,17 @@ class _Selection:
         self.mask = (rows[:, None] == columns[None, :]).astype(mx.float32)[:, None, :]
         self.scales = mx.array([self.slot_scales[s] for s in slots])[:, None, None]
 
+    def mask_in(self, dtype: mx.Dtype) -> mx.array | None:
+        """``mask`` in ``dtype``, cast once a forward, not once a layer (None: none set)."""
+        if self.mask is None:
+            return None
+        if (mask := self._masks.get(dtype)) is None:
+            mask = self._masks[dtype] = self.mask.astype(dtype)
+        return mask
+
     def clear(self) -> None:
         self.single = self.mask = self.scales = None
+        self._masks.clear()
 
 
 class MultiLoRALinear(nn.Module):
@@ -149,9 +159,9 @@ class MultiLoRALinear(nn.Module):
             block = slice(slot * selection.rank, (slot + 1) * selection.rank)
             z = (x @ self.lora_a[:, block]) @ self.lora_b[block]
             return y + (selection.slot_scales[slot] * z).astype(x.dtype)
-        if selection.mask is None or selection.scales is None:
+        if (mask := selection.mask_in(x.dtype)) is None or selection.scales is None:
             return y
-        z = ((x @ self.lora_a) * selection.mask.astype(x.dtype)) @ self.lora_b
+        z = ((x @ self.lora_a) * mask) @ self.lora_b
         return y + (selection.scales.astype(z.dtype) * z).astype(x.dtype)
 
 
@@ -201,11 +211,11 @@ def mount(model: nn.Module, specs: Sequence[AdapterSpec]) -> Adapters:
         raise AdapterError(f"adapter names must differ, got {names}")
     adapters = [read_adapter(spec) for spec in specs]
     modules = dict(model.named_modules())
-    paths: dict[str, list[LoraWeights]] = {}
+    paths: set[str] = set()
     for adapter in adapters:
         for path, (a, b) in adapter.modules.items():
             _check_fits(adapter, path, modules.get(path), a, b)
-            paths.setdefault(path, []).append(adapter)
+            paths.add(path)
     rank = max(adapter.rank for adapter in adapters)
     selection = _Selection(rank, [0.0] + [adapter.scale for adapter in adapters])
     for path in sorted(paths):
@@ -222,7 +232,7 @@ def mount(model: nn.Module, specs: Sequence[AdapterSpec]) -> Adapters:
     return Adapters(adapters, selection)
 
 
-def _dims(module: nn.Module) -> tuple[int, int]:
+def linear_dims(module: nn.Module) -> tuple[int, int]:
     """A linear layer's (in, out) dimensions, quantized or not."""
     out, packed = module.weight.shape
     if isinstance(module, nn.QuantizedLinear):
@@ -237,7 +247,7 @@ def _check_fits(adapter: LoraWeights, path: str, module: Any, a: mx.array, b: mx
     if not isinstance(module, nn.Linear | nn.QuantizedLinear):
         kind = type(module).__name__
         raise AdapterError(f"{where}: {path} is a {kind}, not a linear layer")
-    inputs, outputs = _dims(module)
+    inputs, outputs = linear_dims(module)
     if a.shape[0] != inputs or b.shape[1] != outputs:
         raise AdapterError(
             f"{where}: {path} maps {inputs} -> {outputs}, its adapter {a.shape[0]} -> {b.shape[1]}"
@@ -250,7 +260,7 @@ def _concatenate(
     """One layer's ``lora_a`` and ``lora_b`` of every adapter, concatenated along the rank,
     ``rank`` columns a slot: slot 0 and the adapters that leave the layer alone as zeros, a
     smaller rank padded with zeros."""
-    inputs, outputs = _dims(base)
+    inputs, outputs = linear_dims(base)
     dtype = next(p[0].dtype for p in pairs if p is not None)
     slots = len(pairs) + 1
     a = mx.zeros((inputs, slots * rank), dtype=dtype)

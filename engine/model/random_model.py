@@ -113,6 +113,8 @@ def random_adapter(
     (a fresh adapter's ``lora_b`` is zero: it would change nothing). ``model`` is only read."""
     from mlx.utils import tree_flatten
 
+    from .adapters import linear_dims
+
     mx.random.seed(seed)
     blocks = model.layers[-layers:]
     first = len(model.layers) - len(blocks)
@@ -121,11 +123,9 @@ def random_adapter(
     )
     weights = {}
     for index, block in enumerate(blocks, start=first):
+        linears = dict(tree_flatten(block.leaf_modules(), is_leaf=nn.Module.is_module))
         for key in keys:
-            linear = dict(tree_flatten(block.leaf_modules(), is_leaf=nn.Module.is_module))[key]
-            outputs, inputs = linear.weight.shape
-            if isinstance(linear, nn.QuantizedLinear):
-                inputs = inputs * 32 // linear.bits
+            inputs, outputs = linear_dims(linears[key])
             name = f"{prefix}.{index}.{key}"
             weights[f"{name}.lora_a"] = mx.random.normal((inputs, rank)) * 0.05
             weights[f"{name}.lora_b"] = mx.random.normal((rank, outputs)) * 0.05
