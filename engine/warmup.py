@@ -9,14 +9,18 @@ uses, on the calling thread (the engine thread): one short single-request genera
 where every row is decoding at once at the top (rows enter eight at a time, so this also runs the
 multiples of eight on the way up and down), one sampled batch, single-row prompts that select
 each quantized-matmul tile, one full prefill chunk of ``prefill_chunk`` tokens for a prefill
-group, a group of chat-sized prompts, and where long prompts are prefilled one row at a time
-(``engine/batch/alone.py``) every padded length of a last chunk, at the start of a prompt and
-after one whole chunk; a group's prompts are of unequal lengths, as a real
-burst's are (padded, their attention takes a mask: a first burst after startup waited 5.9 s on
-an H200 while those kernels compiled, design/017). Compiled kernels are kept for the process
-and on disk (``MLX_PTX_CACHE_DIR``, by default ``$TMPDIR/mlx/<version>/ptx``): with that
-cache warm, a restart's warm-up took 9 s instead of 55 s (bfloat16) and 18 s instead of 97 s
-(4-bit) for a Llama-3.2-1B shape (design/008-gpu.md).
+group, a group of chat-sized prompts, a burst of long prompts as the token budget prepares
+them, where long prompts are prefilled one row at a time (``engine/batch/alone.py``) every
+padded length of a last chunk, at the start of a prompt and after one whole chunk, and where
+the engine has a prompt cache a second burst of chat prompts starting from its hits; a group's
+prompts are of unequal lengths, as a real burst's are (padded, their attention takes a mask: a
+first burst after startup waited 5.9 s on an H200 while those kernels compiled, design/017).
+Compiled kernels are kept for the process and on disk (``MLX_PTX_CACHE_DIR``, by default
+``$TMPDIR/mlx/<version>/ptx``): with that cache warm, a restart's warm-up took 9 s instead of
+55 s (bfloat16) and 18 s instead of 97 s (4-bit) for a Llama-3.2-1B shape (design/008-gpu.md).
+Where the cache is cold, kernel primers compile them in other processes meanwhile
+(``engine/primers.py``): ``only`` runs a primer's share of the plan, ``before`` waits for the
+primer of each run.
 
 On CPU nothing is compiled per shape (a fresh process's first 2-token generation of the default
 model took 0.61 s, the next ones 0.50 s and 0.80 s), so there it returns at once.
@@ -27,8 +31,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
@@ -37,6 +42,7 @@ import mlx.core as mx
 
 from .batch.alone import PAD_GRANULE
 from .batch.batch import BatchEngine
+from .batch.prompt_cache import PromptCache
 from .batch.schedule import MIN_CHUNK, TokenBudget
 from .errors import EngineError
 from .generate import Engine
@@ -53,7 +59,7 @@ CHAT_PROMPT = 64
 QMM_TILES = (16, 32, 64)
 SERIAL_NEW_TOKENS = 4
 
-BatchLane = Literal["batch", "sampled", "prefill", "alone"]
+BatchLane = Literal["batch", "sampled", "prefill", "burst", "alone", "cached"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,40 +97,56 @@ def batch_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
+class WarmupRun(NamedTuple):
+    """One planned warm-up run: ``rows`` requests of ``prompt_tokens`` each, ``new_tokens`` at
+    most, on ``lane``."""
+
+    lane: Literal["serial"] | BatchLane
+    rows: int
+    prompt_tokens: int
+    new_tokens: int
+
+
 def plan(
     *, max_batch: int, prefill_chunk: int, budget: TokenBudget | None = None
-) -> list[tuple[BatchLane, int, int, int]]:
+) -> list[WarmupRun]:
     """The batch runs of a GPU warm-up: (lane, rows, prompt tokens, new tokens). With a token
     budget, also a burst of long prompts as the budget prepares them: as many prompts of its
     largest chunk as its preparation budget holds, in chunks its iteration budget shares."""
     # A group of PREFILL_GROUP rows enters every second step (one step prefills it, the next
     # moves it to decoding): enough new tokens that the first rows are still decoding when the
     # last ones start, so all of them decode together at the top.
-    runs: list[tuple[BatchLane, int, int, int]] = [
-        ("batch", rows, SHORT_PROMPT, 2 * math.ceil(rows / PREFILL_GROUP) + 2)
+    runs = [
+        WarmupRun("batch", rows, SHORT_PROMPT, 2 * math.ceil(rows / PREFILL_GROUP) + 2)
         for rows in batch_sizes(max_batch)
     ]
-    runs.append(("sampled", min(2, max_batch), SHORT_PROMPT, 3))
+    runs.append(WarmupRun("sampled", min(2, max_batch), SHORT_PROMPT, 3))
     # A prompt's last token is decoded, the rest prefilled: 16, 32 and a full chunk of prompt
     # tokens select the 16-, 32- and 64-row tiles of MLX's JIT-compiled 4-bit matmul.
     for length in sorted({QMM_TILES[0] + 1, QMM_TILES[1] + 1, prefill_chunk + 1}):
-        runs.append(("prefill", 1, length, 2))
-    runs.append(("prefill", min(PREFILL_GROUP, max_batch), prefill_chunk + 1, 2))
-    runs.append(("prefill", min(PREFILL_GROUP, max_batch), CHAT_PROMPT, 2))
+        runs.append(WarmupRun("prefill", 1, length, 2))
+    runs.append(WarmupRun("prefill", min(PREFILL_GROUP, max_batch), prefill_chunk + 1, 2))
+    runs.append(WarmupRun("prefill", min(PREFILL_GROUP, max_batch), CHAT_PROMPT, 2))
     if budget is not None:
         burst = max(1, min(max_batch, budget.max_preparation_tokens // budget.max_chunk))
-        runs.append(("prefill", burst, budget.max_chunk + 1, 2))
+        runs.append(WarmupRun("burst", burst, budget.max_chunk + 1, 2))
     if budget is not None and budget.alone_from is not None and max_batch > 1:
         # Rows of every padded last-chunk length (PAD_GRANULE, 2 x PAD_GRANULE, ... a whole
         # chunk) past ``prompt_tokens - 1`` tokens: alone, a prompt's attention reads them all.
         lengths = max(1, budget.max_chunk // PAD_GRANULE)
         for start in (1, budget.max_chunk + 1):
-            runs.append(("alone", min(lengths, max_batch), start, 1))
+            runs.append(WarmupRun("alone", min(lengths, max_batch), start, 1))
     return runs
 
 
 def warm_up(
-    engine: Engine, *, max_batch: int, prefill_chunk: int, force: bool = False
+    engine: Engine,
+    *,
+    max_batch: int,
+    prefill_chunk: int,
+    force: bool = False,
+    only: Callable[[WarmupRun], bool] | None = None,
+    before: Callable[[WarmupRun], object] | None = None,
 ) -> WarmupReport:
     """Run the runtime's shapes once so MLX compiles their kernels now; on the calling thread.
 
@@ -142,16 +164,26 @@ def warm_up(
         engine.prompt_cache = None
     shapes: list[WarmupShape] = []
     start = time.perf_counter()
+
+    def wanted(run: WarmupRun) -> bool:
+        if only is not None and not only(run):
+            return False
+        if before is not None:
+            before(run)
+        return True
+
     try:
-        shapes.append(_serial(engine, SHORT_PROMPT, SERIAL_NEW_TOKENS))
+        if wanted(WarmupRun("serial", 1, SHORT_PROMPT, SERIAL_NEW_TOKENS)):
+            shapes.append(_serial(engine, SHORT_PROMPT, SERIAL_NEW_TOKENS))
         budget = getattr(engine, "token_budget", None)
         batch = BatchEngine(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget)
         try:
-            for lane, rows, prompt_tokens, new_tokens in plan(
-                max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget
-            ):
-                shape = _batch(batch, engine, lane, rows, prompt_tokens, new_tokens, prefill_chunk)
-                shapes.append(shape)
+            for run in plan(max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget):
+                if wanted(run):
+                    shapes.append(_batch(batch, engine, *run, prefill_chunk))
+            cached = WarmupRun("cached", min(PREFILL_GROUP, max_batch), CHAT_PROMPT, 2)
+            if prompt_cache is not None and wanted(cached):
+                shapes.append(_cached(batch, engine, prompt_cache, cached.rows, prefill_chunk))
         finally:
             batch.close()
     finally:
@@ -179,6 +211,33 @@ def _serial(engine: Engine, prompt_tokens: int, new_tokens: int) -> WarmupShape:
     return WarmupShape("serial", 1, prompt_tokens, new_tokens, time.perf_counter() - start)
 
 
+def _cached(
+    batch: BatchEngine,
+    engine: Engine,
+    prompt_cache: PromptCache,
+    rows: int,
+    prefill_chunk: int,
+) -> WarmupShape:
+    """A burst of chat prompts, then a second whose prompts share their first tokens with the
+    first's (a chat template's), as a server's second burst does: its rows start from prompt-cache
+    hits, whose caches mlx-lm merges into the batch (kernels of their own: an H200's second burst
+    took 6.6x the first's TTFT when only the first was warmed up). Runs over a cache of its own,
+    dropped after, so that no warm-up prompt stays cached."""
+    shared = _prompt(engine, CHAT_PROMPT // 2, 0)
+    engine.prompt_cache = PromptCache(prompt_cache.budget_bytes, key="warm-up")
+    start = time.perf_counter()
+    try:
+        for burst in (1, 2):
+            prompts = [
+                shared + _prompt(engine, CHAT_PROMPT // 2 - row % 3, burst * rows + row + 1)
+                for row in range(rows)
+            ]
+            _run(batch, prompts, SamplingParams(temperature=0.0, max_tokens=2), prefill_chunk)
+    finally:
+        engine.prompt_cache = None
+    return WarmupShape("cached", rows, CHAT_PROMPT, 2, time.perf_counter() - start)
+
+
 def _batch(
     batch: BatchEngine,
     engine: Engine,
@@ -190,24 +249,34 @@ def _batch(
 ) -> WarmupShape:
     temperature = 1.0 if lane == "sampled" else 0.0
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens)
-    start = time.perf_counter()
+    prompts = []
     for row in range(rows):
         # Rows prefilled together get unequal lengths, as a real burst's prompts have: mlx-lm
         # pads them on the left, and a padded batch's attention takes a mask of its own.
-        length = prompt_tokens - (row % 3 if lane == "prefill" and rows > 1 else 0)
+        length = prompt_tokens - (row % 3 if lane in ("prefill", "burst") and rows > 1 else 0)
         if lane == "alone":
             length = prompt_tokens + (row + 1) * PAD_GRANULE
-        prompt = _prompt(engine, length, row + 1)
+        prompts.append(_prompt(engine, length, row + 1))
+    start = time.perf_counter()
+    _run(batch, prompts, params, prefill_chunk)
+    return WarmupShape(lane, rows, prompt_tokens, new_tokens, time.perf_counter() - start)
+
+
+def _run(
+    batch: BatchEngine,
+    prompts: list[tuple[int, ...]],
+    params: SamplingParams,
+    prefill_chunk: int,
+) -> None:
+    """Add a request of each prompt and step the batch until every row has finished."""
+    for prompt in prompts:
         batch.add(PreparedRequest(prompt_tokens=prompt, params=params))
     # Each step decodes every generating row once and prefills a chunk of some rows (with a
     # budget, chunks may be as small as MIN_CHUNK, and a small one prepares a row at a time).
-    longest = prompt_tokens + (rows * PAD_GRANULE if lane == "alone" else 0)
-    chunks = math.ceil(longest / min(prefill_chunk, MIN_CHUNK)) + 1
-    max_steps = rows * chunks + new_tokens + 8
+    chunks = math.ceil(max(map(len, prompts)) / min(prefill_chunk, MIN_CHUNK)) + 1
+    max_steps = len(prompts) * chunks + params.max_tokens + 8
     for _ in range(max_steps):
         if batch.num_rows == 0:
-            break
+            return
         batch.step()
-    else:
-        raise EngineError(f"warm-up batch of {rows} rows did not finish in {max_steps} steps")
-    return WarmupShape(lane, rows, prompt_tokens, new_tokens, time.perf_counter() - start)
+    raise EngineError(f"warm-up batch of {len(prompts)} rows did not finish in {max_steps} steps")

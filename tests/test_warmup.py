@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mlx_trio.engine.batch.prompt_cache import PromptCache
 from mlx_trio.engine.batch.schedule import TokenBudget
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import SamplingParams
@@ -34,7 +35,7 @@ def test_warm_up_runs_a_burst_of_long_prompts_as_the_token_budget_prepares_them(
     budget = TokenBudget(max_preparation_tokens=64, max_iteration_tokens=32, max_chunk=16)
     engine = Engine(make_loaded(), token_budget=budget)
     report = warm_up(engine, max_batch=8, prefill_chunk=32, force=True)
-    burst = [s for s in report.shapes if s.lane == "prefill" and s.prompt_tokens == 17]
+    burst = [s for s in report.shapes if s.lane == "burst" and s.prompt_tokens == 17]
     assert 4 in [s.rows for s in burst]  # 64 // 16 prompts of the largest chunk, and one more
 
 
@@ -48,3 +49,25 @@ def test_warm_up_prefills_every_padded_last_chunk_where_long_prompts_go_alone():
     unwarmed = Engine(make_loaded(), token_budget=budget)
     assert not [s for s in warm_up(unwarmed, max_batch=8, prefill_chunk=32, force=True).shapes
                 if s.lane == "alone"]  # fmt: skip
+
+
+def test_warm_up_runs_a_second_chat_burst_from_prompt_cache_hits(monkeypatch):
+    """A server's second burst of chat prompts starts from hits on the template's tokens; the
+    warm-up runs that path too (over a cache of its own: the server's stays empty)."""
+    hits: list[int] = []
+    take = PromptCache.take
+
+    def counting_take(self: PromptCache, tokens: list[int], salt: str | None = None):
+        hit = take(self, tokens, salt)
+        hits.append(0 if hit is None else hit.num_tokens)
+        return hit
+
+    monkeypatch.setattr(PromptCache, "take", counting_take)
+    engine = Engine(make_loaded(), prompt_cache_bytes=16 << 20)
+    report = warm_up(engine, max_batch=8, prefill_chunk=32, force=True)
+    assert [(s.rows, s.prompt_tokens) for s in report.shapes if s.lane == "cached"] == [(8, 64)]
+    # The first burst misses, each row of the second reuses the shared 32 tokens.
+    assert hits[:8] == [0] * 8 and len(hits) == 16 and min(hits[8:]) >= 32
+    assert engine.prompt_cache is not None and engine.prompt_cache.statistics().entries == 0
+    without_cache = warm_up(Engine(make_loaded()), max_batch=8, prefill_chunk=32, force=True)
+    assert "cached" not in {s.lane for s in without_cache.shapes}
