@@ -26,7 +26,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, replace
 from dataclasses import fields as fields_of
 from pathlib import Path
@@ -298,13 +298,23 @@ async def open_runtime(
         async with open_runtime_actors(engine, config) as runtime:
             yield RuntimeHandle(runtime)
         return
-    from ..actors.engine_port.open import open_engine
+    # A model directory here: its kernel primers (``engine/primers.py``) start now, before the
+    # engine's modules are imported here (seconds on a cold host), not after.
+    from ..engine.primers import KernelPrimers, local_model_dir
 
-    async with (
-        open_engine(options, config) as port,
-        open_runtime_actors(port, config) as runtime,
-    ):
-        yield RuntimeHandle(runtime)
+    local = local_model_dir(options.model)
+    with (
+        nullcontext()
+        if local is None
+        else KernelPrimers.started(options, local, max_batch=config.max_batch)
+    ) as primers:
+        from ..actors.engine_port.open import open_engine
+
+        async with (
+            open_engine(options, config, primers=primers) as port,
+            open_runtime_actors(port, config) as runtime,
+        ):
+            yield RuntimeHandle(runtime)
 
 
 _ENGINE_FIELDS = frozenset(f.name for f in fields_of(EngineOptions))

@@ -304,12 +304,13 @@ class Engine:
         (``prefill_alone_from`` 0: no prompt prefills alone).
         ``split``: a rank keeps its part of the model, before its weights are read
         (``loader.load_model``). ``fuse``: one matmul for the projections that read the same
-        input (``engine/model/fused.py``; None: its default, on a GPU; never for a rank's part).
+        input (``engine/model/fused.py``; None: its default, on a GPU, where no ``split`` is
+        given: a rank's part is not fused, a kernel primer's first layer is).
         ``adapters``: LoRA adapters served beside the model, each row with its own
         (``engine/model/adapters.py``); one that does not fit raises ``AdapterError``.
         ``kv_scheme``: the rows' keys and values quantized or not (``batch/quantized_kv.py``)."""
         loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
-        if split is None and fused.wanted(loaded.device, given=fuse):
+        if (split is None or fuse) and fused.wanted(loaded.device, given=fuse):
             fused.fuse_projections(loaded.model)
         mounted = mount(loaded.model, adapters) if adapters else None
         budget = default_budget(

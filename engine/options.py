@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here 
     from .calls import EngineStarted
     from .core import EngineCore
     from .generate import Engine
+    from .primers import PrimersDone
 
 Device = Literal["auto", "cpu", "gpu"]
 KV_BITS = (4, 8)  # what --kv-bits takes (mlx.core.quantize's, as mlx-lm's QuantizedKVCache)
@@ -113,8 +114,8 @@ class EngineOptions:
         The memory limit is the device's default where none was given."""
         from .batch.quantized_kv import KVScheme
         from .budget import default_limit
+        from .devices import runs_on_gpu
         from .generate import Engine
-        from .model.loader import runs_on_gpu
 
         limit = self.memory_limit or default_limit(runs_on_gpu(self.device))
         return partial(
@@ -136,11 +137,13 @@ class EngineOptions:
 class CoreRecipe:
     """What :func:`boot_core` builds, as a thread, a child process or a rank receives it:
     ``build`` makes the engine (``EngineOptions.loader()``, or a test's tiny one; picklable for
-    a process), its core batches up to ``max_batch`` rows, and ``warm_up`` runs its shapes."""
+    a process), its core batches up to ``max_batch`` rows, and ``warm_up`` runs its shapes, once
+    ``kernels`` (the kernel primers compiling them meanwhile, ``engine/primers.py``) are done."""
 
     build: Callable[[], Engine]
     max_batch: int
     warm_up: bool = True
+    kernels: PrimersDone | None = None
 
 
 def boot_core(recipe: CoreRecipe) -> tuple[EngineCore, EngineStarted]:
@@ -156,5 +159,12 @@ def boot_core(recipe: CoreRecipe) -> tuple[EngineCore, EngineStarted]:
     core.batch_reset()
     report = None
     if recipe.warm_up:
-        report = warm_up(engine, max_batch=recipe.max_batch, prefill_chunk=core.prefill_chunk)
+        report = warm_up(
+            engine,
+            max_batch=recipe.max_batch,
+            prefill_chunk=core.prefill_chunk,
+            before=None
+            if recipe.kernels is None
+            else recipe.kernels.before_run(quantized=engine.loaded.is_quantized),
+        )
     return core, EngineStarted.of(core, report)

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
@@ -27,6 +27,7 @@ from mlx_lm.utils import dequantize_model, load_config, load_tokenizer
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from .._blas import gfortran_source, openblas_path
+from ..devices import Device
 from ..errors import InvalidRequestError, UnsupportedModelError
 from ..vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from .gguf import Progress
@@ -34,7 +35,6 @@ from .model_store import resolve_model
 
 logger = logging.getLogger(__name__)
 
-Device = Literal["auto", "cpu", "gpu"]
 _FALLBACK_CONTEXT = 2048
 
 
@@ -166,14 +166,6 @@ def load_tokenizer_only(spec: str | None, *, progress: Progress | None = None) -
         message = f"mlx-lm could not load the tokenizer of {resolved.model_id!r}"
         raise UnsupportedModelError(f"{message} ({type(exc).__name__})") from exc
     return LoadedTokenizer(tokenizer, resolved.model_id, _context_length(config, tokenizer))
-
-
-def runs_on_gpu(device: Device) -> bool:
-    """Whether a model loaded with ``device`` runs on a GPU (:func:`_select_device`'s rule),
-    asked without selecting or loading anything."""
-    if device == "cpu":
-        return False
-    return device == "gpu" or mx.default_device().type == mx.DeviceType.gpu
 
 
 def _select_device(device: Device) -> bool:
