@@ -4,6 +4,7 @@ them (engine/primers.py)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import replace
 
@@ -90,7 +91,7 @@ def test_a_model_is_cut_to_its_first_layer_only_where_its_layers_are_alike():
 
 
 def test_the_engines_warm_up_runs_each_shape_once_its_primer_is_done(tmp_path, monkeypatch):
-    done = PrimersDone(tmp_path, ("sampler", "chat"))
+    done = PrimersDone(tmp_path, ("sampler", "chat"), time.time() + 60)
     seen: list[tuple[str, bool]] = []
 
     def spy(engine, *, before, **kwargs):
@@ -125,3 +126,9 @@ def test_primer_processes_run_each_group_over_the_first_layer_and_clean_up(tmp_p
     # Where they do not pay (a CPU), none start.
     with KernelPrimers.started(options, model, max_batch=4) as none:
         assert none is None
+
+
+def test_a_primer_that_hangs_is_waited_for_only_until_the_deadline(tmp_path):
+    done = PrimersDone(tmp_path, ("chat",), time.time() + 0.3)
+    assert 0.2 < done.wait(["chat"]) < 5
+    assert done.wait(["chat"]) < 0.1  # past the deadline, each later run goes on at once
