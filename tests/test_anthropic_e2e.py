@@ -11,6 +11,7 @@ from typing import Any
 import anthropic
 import pytest
 
+from tests.conftest import ON_ENGINE_PROCESS
 from tests.server_thread import ServerThread, model_id
 
 pytestmark = pytest.mark.e2e
@@ -71,6 +72,7 @@ def test_output_config_format_holds_the_reply_to_its_schema(default_model_server
     assert set(reply) == {"city"} and isinstance(reply["city"], str)
 
 
+@ON_ENGINE_PROCESS  # the API's round trip, not the transport's
 def test_a_forced_tool_use_and_its_result_round_trip(default_model_server: ServerThread):
     client, model = sdk(default_model_server), model_id(default_model_server)
     ask: Any = {

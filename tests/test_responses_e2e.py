@@ -11,6 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.conftest import ON_ENGINE_THREAD
 from tests.server_thread import ServerThread, model_id
 
 pytestmark = pytest.mark.e2e
@@ -60,6 +61,7 @@ def test_text_streamed_or_not_answers_paris(server):
     assert "".join(deltas) == final.output_text == whole.output_text
 
 
+@ON_ENGINE_THREAD  # the API's round trip, not the transport's
 def test_a_forced_call_and_its_output_round_trip(server):
     client = sdk(server)
     called = client.responses.create(

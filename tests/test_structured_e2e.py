@@ -279,6 +279,7 @@ def test_twenty_schemas_asked_together_each_validate(default_model_server):
         assert isinstance(parsed, schema)
 
 
+@ON_ENGINE_THREAD  # the grammar's, not the transport's
 def test_json_object_mode_streams_a_json_object(default_model_server):
     sdk = openai.OpenAI(base_url=f"{default_model_server.url}/v1", api_key="unused")
     stream = sdk.chat.completions.create(

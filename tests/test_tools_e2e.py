@@ -99,6 +99,7 @@ def check_required_call(default_model_server, temperature: float) -> None:
     check_call(call.function.name, call.function.arguments)
 
 
+@ON_ENGINE_PROCESS  # the stream's shape, not the transport's
 def test_a_streamed_required_call_arrives_as_delta_tool_calls(default_model_server):
     stream = sdk(default_model_server).chat.completions.create(
         model=model_id(default_model_server),
@@ -174,6 +175,7 @@ def test_a_conversation_with_a_tool_result_continues(default_model_server):
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
 
 
+@ON_ENGINE_THREAD  # the SDK's parsing, not the transport's
 def test_the_sdks_pydantic_tools_parse(default_model_server):
     reply = sdk(default_model_server).chat.completions.parse(
         model=model_id(default_model_server),
