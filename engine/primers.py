@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +92,14 @@ def group_of(run: Any, *, quantized: bool) -> str:
     return "long"
 
 
-def keep_first_layer(model: Any) -> None:
+def keep_first_layer(model: Any, *, alike: bool = True) -> None:
     """Cut ``model`` to its first layer, in place, before its weights are read; raises
-    :class:`LayersDiffer` unless every layer has the same modules and parameter shapes."""
+    :class:`LayersDiffer` unless every layer has the same modules and parameter shapes
+    (``alike``; off: the sampler's primer, which reads the vocabulary and dtype, never a layer),
+    or where the model's layers are not a list it keeps (no cut: every weight would be read)."""
     layers = model.layers
-    signatures = {_signature(layer) for layer in layers}
-    if len(signatures) != 1:
-        raise LayersDiffer(f"{len(signatures)} kinds of layer")
+    if alike and len(kinds := {_signature(layer) for layer in layers}) != 1:
+        raise LayersDiffer(f"{len(kinds)} kinds of layer")
     del layers[1:]
     if len(model.layers) != 1:
         raise LayersDiffer("the model's layers are not a list it keeps")
@@ -279,7 +281,7 @@ def _compile(options: EngineOptions, group: str, max_batch: int, force: bool) ->
 
     if group == SAMPLER:
         # No model runs: logits of the model's dtype, as every row's sampler sees them.
-        engine = options.loader()(split=_first_layer_only, fuse=False)
+        engine = options.loader()(split=partial(keep_first_layer, alike=False), fuse=False)
         logits = mx.zeros((2, engine.vocab_size), dtype=getattr(mx, engine.loaded.dtype))
         mx.eval(RowSampler(SamplingParams(temperature=1.0))(logits[0:1]))
         return "the row sampler"
@@ -295,11 +297,6 @@ def _compile(options: EngineOptions, group: str, max_batch: int, force: bool) ->
         only=lambda run: group_of(run, quantized=quantized) == group,
     )
     return f"{len(report.shapes)} warm-up shapes"
-
-
-def _first_layer_only(model: Any) -> None:
-    """The sampler's primer reads the model's vocabulary and dtype, never its layers."""
-    del model.layers[1:]
 
 
 def local_model_dir(spec: str | None) -> Path | None:
