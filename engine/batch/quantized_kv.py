@@ -226,13 +226,11 @@ class BatchQuantizedKVCache(PromptChunksInFullPrecision, BatchKVCache):
 
         def padded(c: BatchQuantizedKVCache) -> tuple[Triple, Triple, mx.array, mx.array]:
             keys, values = c.keys, c.values
-            if keys is None:
+            if keys is None:  # no row has read a token: empty triples shaped as the other's
                 rows = c.offset.shape[0]
-                keys = tuple(
-                    mx.zeros((rows, *x.shape[1:2], 0, x.shape[3]), x.dtype) for x in like.keys
-                )
-                values = tuple(
-                    mx.zeros((rows, *x.shape[1:2], 0, x.shape[3]), x.dtype) for x in like.values
+                keys, values = (
+                    tuple(mx.zeros((rows, x.shape[1], 0, x.shape[3]), x.dtype) for x in held)
+                    for held in (like.keys, like.values)
                 )
             left = idx - c._idx
             right = size - keys[0].shape[2] - left
