@@ -31,6 +31,7 @@ from mlx_trio.api.chaos import (
     TimedFault,
     run_on_model,
     run_plan,
+    run_plans_on_model,
     run_scripted,
     scripted_reference,
 )
@@ -362,12 +363,20 @@ def test_operation_scripts_keep_the_invariants(ops):
 
 
 @pytest.mark.e2e
-def test_a_short_chaos_run_on_the_default_model():
-    plan = FaultPlan.generate(
+def test_short_chaos_runs_on_the_default_model_in_process_and_over_http():
+    """One fault-free pass, then two plans of the same requests: in-process (a failing sampler
+    among the faults) and over HTTP, where the streamed text of untouched requests equals the
+    fault-free pass's."""
+    in_process = FaultPlan.generate(
         11, 12, ("step_error", "sampler_error", "consumer_close", "cancel"), step_s=0.1
     )
-    report = trio.run(run_on_model, plan, None)
+    over_http = FaultPlan.generate(11, 12, ("step_error", "consumer_close", "cancel"), step_s=0.1)
+    report, http_report = trio.run(
+        run_plans_on_model, [(in_process, False), (over_http, True)], None
+    )
     assert report.ok, report.table()
+    assert http_report.ok, http_report.table()
+    assert "over HTTP" in http_report.table()
     # Sampled requests ran beside the failing sampler: shared sampling state survived it. (Not
     # those whose client acts, a cancel or a close: whether that lands before the request ends
     # is a race, and either outcome is right.)
@@ -386,15 +395,6 @@ def test_a_short_chaos_run_on_the_default_model():
         if not (r.outcome or "").startswith("completed:")
     ]
     assert sampled and not unfinished, unfinished
-
-
-@pytest.mark.e2e
-def test_a_short_chaos_run_on_the_default_model_over_http():
-    """The streamed text of untouched requests equals the in-process fault-free pass's."""
-    plan = FaultPlan.generate(11, 12, ("step_error", "consumer_close", "cancel"), step_s=0.1)
-    report = trio.run(partial(run_on_model, plan, None, http=True))
-    assert report.ok, report.table()
-    assert "over HTTP" in report.table()
 
 
 @pytest.mark.e2e

@@ -38,7 +38,7 @@ from .plan import (
 )
 from .report import ChaosReport
 from .results import HealthProbe, RequestResult, RunResult
-from .run import run_on_model, run_plan, run_scripted, scripted_reference
+from .run import run_on_model, run_plan, run_plans_on_model, run_scripted, scripted_reference
 
 __all__ = [
     "CLIENT_KINDS",
@@ -62,6 +62,7 @@ __all__ = [
     "check",
     "run_on_model",
     "run_plan",
+    "run_plans_on_model",
     "run_scripted",
     "scripted_reference",
 ]

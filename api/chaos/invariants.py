@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ...actors.config import RuntimeStatistics
 from .plan import RequestPlan
 from .results import RequestResult, RunResult
 
@@ -180,18 +181,23 @@ def _outcome_kinds_match_the_faults(run: RunResult) -> Check:
     return Check("outcome kinds match the faults", not wrong, "; ".join(wrong[:3]))
 
 
+def held_at_rest(stats: RuntimeStatistics, engine_rows: int) -> dict[str, int]:
+    """What the runtime still holds (nothing, once every request has ended and let go)."""
+    leftovers = {
+        "live": stats.live_sessions,
+        "queued": stats.queued_sessions,
+        "active rows": stats.active_rows,
+        "parked rows": stats.parked_rows,
+        "pending rows": stats.pending_rows,
+        "kv bytes": stats.kv_bytes,
+        "engine rows": engine_rows,
+    }
+    return {k: v for k, v in leftovers.items() if v}
+
+
 def _quiescent(run: RunResult) -> Check:
     s = run.statistics
-    leftovers = {
-        "live": s.live_sessions,
-        "queued": s.queued_sessions,
-        "active rows": s.active_rows,
-        "parked rows": s.parked_rows,
-        "pending rows": s.pending_rows,
-        "kv bytes": s.kv_bytes,
-        "engine rows": run.engine_rows,
-    }
-    held = {k: v for k, v in leftovers.items() if v}
+    held = held_at_rest(s, run.engine_rows)
     return Check(
         "quiescent: nothing held",
         not held and s.lane_mode == "idle",

@@ -2,7 +2,8 @@
 ``FaultyEngine`` (``actors/testing/faulty.py``), puts each fault in when it is due (step faults
 into the next batch step, row and client faults onto the next request sent, moved on if they
 did not take), and probes the runtime's health after the first hang. :func:`run_scripted` and
-:func:`run_on_model` run a plan on the scripted engine or a real model and check it."""
+:func:`run_on_model` (:func:`run_plans_on_model`) run a plan on the scripted engine or a real
+model and check it."""
 
 from __future__ import annotations
 
@@ -11,20 +12,20 @@ import logging
 import os
 import signal
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import trio
 
 from ...actors.batch_policy import MAX_STEPS_PER_CALL
-from ...actors.config import RuntimeConfig
+from ...actors.config import RuntimeConfig, RuntimeStatistics
 from ...actors.port import EnginePort
 from ...actors.testing.faulty import FaultyEngine, RowFault, StepFault
 from ...engine.options import Device, EngineOptions
 from .client import Client, open_in_process
 from .http_client import open_over_http
-from .invariants import Expected, check
+from .invariants import Expected, check, held_at_rest
 from .plan import (
     ROW_FAULT_KINDS,
     ClientFault,
@@ -72,9 +73,7 @@ async def run_plan(
                     await client.shutdown()
             injector.cancel_scope.cancel()  # faults due after the workload ended never come
         # Quiescence is checked while the runtime still runs: shutdown must not hide a leak.
-        await trio.sleep(plan.config.step_timeout_s)
-        stats, health = await client.observe()
-        engine_rows = getattr(inner, "num_rows", 0)
+        stats, health, engine_rows = await _at_rest(client, inner, plan.config.step_timeout_s)
     touched: dict[int, set[str]] = {}
     for injection in engine.injections:
         for number in injection.requests:
@@ -91,6 +90,22 @@ async def run_plan(
         health,
         probes[0] if probes else None,
     )
+
+
+async def _at_rest(
+    client: Client, inner: EnginePort, within_s: float
+) -> tuple[RuntimeStatistics, int | None, int]:
+    """The runtime's statistics, /health's status and the engine's rows once nothing is held,
+    or after ``within_s`` (a step's watchdog: time for a step in flight to end) if something
+    still is."""
+    deadline = trio.current_time() + within_s
+    while True:
+        stats, health = await client.observe()
+        engine_rows = getattr(inner, "num_rows", 0)
+        quiet = not held_at_rest(stats, engine_rows) and stats.lane_mode == "idle"
+        if quiet or trio.current_time() >= deadline:
+            return stats, health, engine_rows
+        await trio.sleep(min(0.05, within_s / 20))
 
 
 async def _start(
@@ -214,18 +229,31 @@ async def _come_back(engine: ScriptedEngine, after_s: float) -> None:
 async def run_on_model(
     plan: FaultPlan, model: str | None, *, device: Device = "auto", http: bool = False
 ) -> ChaosReport:
-    """Run a plan on a real model: a fault-free pass (in-process) first gives the reference
-    tokens and text; then the plan runs on the same engine, in-process or over HTTP. The step
-    watchdog is at least ``MODEL_STEP_TIMEOUT_S``: a plan's 1 s suits the scripted engine's
-    steps, while a real model's prefill on a busy 2-core machine can take longer."""
+    """Run a plan on a real model (:func:`run_plans_on_model` with the one plan)."""
+    (report,) = await run_plans_on_model([(plan, http)], model, device=device)
+    return report
+
+
+async def run_plans_on_model(
+    runs: Sequence[tuple[FaultPlan, bool]], model: str | None, *, device: Device = "auto"
+) -> list[ChaosReport]:
+    """Run plans on a real model, one after another on one engine, each ``(plan, http)``:
+    a fault-free pass (in-process) first gives the reference tokens and text; then each plan
+    runs, in-process or over HTTP. The plans share their requests (one seed and count, other
+    faults), so the one pass is every plan's reference. The step watchdog is at least
+    ``MODEL_STEP_TIMEOUT_S``: a plan's 1 s suits the scripted engine's steps, while a real
+    model's prefill on a busy 2-core machine can take longer."""
     from ...actors.engine_port.open import open_engine
 
-    watchdog = max(plan.config.step_timeout_s, MODEL_STEP_TIMEOUT_S)
-    plan = replace(plan, config=replace(plan.config, step_timeout_s=watchdog))
+    first = runs[0][0]
+    if any(p.requests != first.requests or p.config != first.config for p, _ in runs):
+        raise ValueError("plans run on one model must share their requests and config")
+    watchdog = max(first.config.step_timeout_s, MODEL_STEP_TIMEOUT_S)
+    config = replace(first.config, step_timeout_s=watchdog)
     # A crash kills the engine's process: the one engine that can die alone (a thread cannot).
-    process = True if plan.planned["engine_crash"] else None
+    process = True if any(p.planned["engine_crash"] for p, _ in runs) else None
     options = EngineOptions(model=model, device=device, engine_process=process)
-    async with open_engine(options, plan.config) as engine:
+    async with open_engine(options, config) as engine:
 
         def crash() -> None:
             pid = engine.liveness().pid
@@ -235,11 +263,11 @@ async def run_on_model(
 
         # Every request, burst included (a queue long enough that none is refused), no fault.
         calm = replace(
-            plan,
+            first,
             engine_faults=(),
             client_faults=(),
             shutdown_at_s=None,
-            config=replace(plan.config, max_queued=len(plan.requests)),
+            config=replace(config, max_queued=len(first.requests)),
         )
         baseline = await run_plan(calm, engine)
         # Only what the fault-free pass completed is a reference: on a loaded machine its own
@@ -255,5 +283,9 @@ async def run_on_model(
                 len(expected),
                 len(baseline.requests),
             )
-        run = await run_plan(plan, engine, http=http, crash=crash)
-    return ChaosReport(run, check(run, lambda p: expected.get(p.number)))
+        reports = []
+        for plan, http in runs:
+            plan = replace(plan, config=config)
+            run = await run_plan(plan, engine, http=http, crash=crash)
+            reports.append(ChaosReport(run, check(run, lambda p: expected.get(p.number))))
+    return reports
