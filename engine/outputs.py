@@ -1,13 +1,35 @@
-"""What a generation produces, as plain frozen values (no MLX), shared with the runtime."""
+"""What a generation produces, as plain frozen values (no MLX), shared with the runtime.
+
+The values an engine process sends every call (a row's tokens, its progress) pickle as their
+fields in order (:func:`_pickled_as_fields`): the dataclass default (``fields()`` for every object)
+took 3 us an event each way, 1.5 ms a call of 256 rows (now 0.5 ms) on a 2-core machine, half
+of it the engine's own time (design/030).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from operator import attrgetter
+from typing import Any, Literal, TypeVar
 
 FinishReason = Literal["stop", "length"]
+T = TypeVar("T")
 
 
+def _pickled_as_fields(cls: type[T]) -> type[T]:
+    """A slotted dataclass of two fields or more (``attrgetter`` of one returns no tuple) that
+    pickles as its constructor and its fields, in order."""
+    assert len(cls.__slots__) > 1  # type: ignore[attr-defined]
+    fields = attrgetter(*cls.__slots__)  # type: ignore[attr-defined]
+
+    def reduce(self: Any) -> tuple[type, tuple[Any, ...]]:
+        return cls, fields(self)
+
+    cls.__reduce__ = reduce  # type: ignore[assignment,method-assign]
+    return cls
+
+
+@_pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """The chosen token's log-probability and, if asked for, the most likely alternatives."""
@@ -17,6 +39,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@_pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class Delta:
     """One decode step's output for one request.
@@ -33,6 +56,7 @@ class Delta:
     finish_reason: FinishReason | None = None
 
 
+@_pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class GenerationStats:
     """Counts and timings of one finished generation."""
@@ -51,6 +75,7 @@ class GenerationStats:
         return (self.generated_tokens - 1) / self.decode_s
 
 
+@_pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class RowProgress:
     """Prompt processing progress of one row: ``done`` of ``total`` prompt tokens."""
@@ -60,6 +85,7 @@ class RowProgress:
     total: int
 
 
+@_pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class RowOutput:
     """A row's delta for this engine call (one token a step); ``stats`` is set on its last one
@@ -70,6 +96,7 @@ class RowOutput:
     stats: GenerationStats | None = None
 
 
+@_pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class RowFailed:
     """A row that the engine had to drop: its sampler or a step failed. The row has left."""

@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from mlx_trio.actors.batch_policy import STEPS_APART
 from mlx_trio.actors.channels import offer
 from mlx_trio.actors.lanes import SessionInbox
 from mlx_trio.actors.messages import (
@@ -41,9 +42,9 @@ def tokens_for(prompt: str, n: int) -> tuple[int, ...]:
 
 @asynccontextmanager
 async def scripted(
-    script: Script | None = None, **config
+    script: Script | None = None, *, pid: int | None = None, **config
 ) -> AsyncIterator[tuple[RuntimeHandle, ScriptedEngine]]:
-    engine = ScriptedEngine(script or Script())
+    engine = ScriptedEngine(script or Script(), pid=pid)
     config.setdefault("max_batch", 4)
     async with open_runtime(engine=engine, **config) as rt:
         yield rt, engine
@@ -469,6 +470,21 @@ async def test_cancel_by_id(autojump_clock):
         assert (await handle.result()).reason == "requested"
 
 
+async def streamed(
+    rt: RuntimeHandle, prompt: str, max_tokens: int, chunks: list[int] | None = None
+) -> tuple[list[int], object]:
+    """A session's tokens as its deltas bring them (each delta's count appended to
+    ``chunks``), and its outcome."""
+    handle = await rt.submit(request(prompt, max_tokens=max_tokens))
+    tokens: list[int] = []
+    async for event in handle:
+        if isinstance(event, TextDelta):
+            tokens.extend(event.token_ids)
+            if chunks is not None:
+                chunks.append(len(event.token_ids))
+    return tokens, await handle.result()
+
+
 @pytest.mark.parametrize(("sessions", "step_s"), [(4, 0.05), (64, 0.01)])
 async def test_a_large_fast_batch_takes_several_steps_a_call_with_the_same_tokens(
     autojump_clock, sessions, step_s
@@ -479,12 +495,7 @@ async def test_a_large_fast_batch_takes_several_steps_a_call_with_the_same_token
         results = {}
 
         async def run(i: int) -> None:
-            handle = await rt.submit(request(f"prompt {i}", max_tokens=40))
-            tokens: list[int] = []
-            async for event in handle:
-                if isinstance(event, TextDelta):
-                    tokens.extend(event.token_ids)
-            results[i] = (tokens, await handle.result())
+            results[i] = await streamed(rt, f"prompt {i}", 40)
 
         async with trio.open_nursery() as nursery:
             for i in range(sessions):
@@ -519,6 +530,33 @@ async def test_a_lone_stream_gets_its_tokens_as_sampled_and_a_large_batch_in_cal
     assert sum(chunks) == 30 and max(chunks) == 1
     lone = engine.calls[calls_before:]
     assert {steps for steps, _ in lone} == {1} and max(ahead for _, ahead in lone) > 1
+
+
+@pytest.mark.parametrize(("sessions", "steps"), [(16, 1), (64, STEPS_APART), (96, None)])
+async def test_an_engine_in_a_process_of_its_own_hands_out_tokens_every_step_or_two(
+    autojump_clock, sessions, steps
+):
+    # The 10 ms steps above, the engine in a process of its own (the loop's work does not slow
+    # its steps): calls let the engine run ahead, each handing out the tokens of a step (16
+    # rows) or two (64, where each call costs the engine time a row); the scripted engine runs
+    # none ahead, so a call runs them. A larger batch keeps calls of several steps.
+    chunks: list[int] = []
+
+    async def run(i: int) -> None:
+        tokens, _ = await streamed(rt, f"prompt {i}", 40, chunks)
+        assert tuple(tokens) == tokens_for(f"prompt {i}", 40)
+
+    apart = scripted(Script(step_s=0.01), pid=4242, max_batch=96, max_live=96)
+    async with apart as (rt, engine), trio.open_nursery() as nursery:
+        for i in range(sessions):
+            nursery.start_soon(run, i)
+    assert sum(chunks) == sessions * 40
+    decoding = [steps for steps, ahead in engine.calls if ahead]
+    if steps is None:
+        assert not decoding and engine.num_batch_calls < engine.num_batch_steps / 2
+    else:
+        assert max(chunks) == steps and set(decoding) == {steps}
+        assert len(decoding) >= 39 // steps
 
 
 async def test_several_steps_a_call_still_cancel_and_count_tokens(autojump_clock):

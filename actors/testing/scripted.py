@@ -12,6 +12,7 @@ its prompt and ``i``, so outputs are the same alone or in any batch, and its tex
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import trio
@@ -81,11 +82,13 @@ class ScriptedEngine:
         sampling_defaults: SamplingDefaults = NO_DEFAULTS,
         memory_budget: MemoryBudget | None = None,
         reply_syntax: ReplySyntax | None = None,
+        pid: int | None = None,
     ) -> None:
         """``memory_budget``: what the engine would answer as its budget (None: none); a
         scripted row's KV is ``BYTES_PER_TOKEN`` a token (``scripted_budget`` makes one).
         ``reply_syntax``: what it says of its replies (None: no thinking, no tool format), so
-        that tests can mark parts of a scripted reply as reasoning."""
+        that tests can mark parts of a scripted reply as reasoning. ``pid``: the process it
+        says it runs in (None: this one's thread, as the engine thread)."""
         self.script = script or Script()
         self._reply_syntax = reply_syntax or ReplySyntax()
         self._memory_budget = memory_budget
@@ -107,7 +110,7 @@ class ScriptedEngine:
         self.iterations: list[tuple[int, int, int]] = []
         self.call_log: list[str] = []
         self.on_call: Callable[[str], None] | None = None
-        self._liveness = ALWAYS_UP
+        self._liveness = ALWAYS_UP if pid is None else EngineLiveness(pid=pid)
 
     @property
     def model_id(self) -> str:
@@ -123,6 +126,10 @@ class ScriptedEngine:
 
     @property
     def kv_scheme(self) -> str:
+        return "scripted"
+
+    @property
+    def weights(self) -> str:
         return "scripted"
 
     @property
@@ -191,13 +198,13 @@ class ScriptedEngine:
         self._serial = None
         self._in_call = False
         live = self._liveness
-        self._liveness = EngineLiveness("restarting", live.generation, live.restarts, cause)
+        self._liveness = replace(live, condition="restarting", last_cause=cause)
 
     def come_back(self) -> None:
         """... and its supervisor started a new one: the next generation, empty."""
         live = self._liveness
-        self._liveness = EngineLiveness(
-            "up", live.generation + 1, live.restarts + 1, live.last_cause
+        self._liveness = replace(
+            live, condition="up", generation=live.generation + 1, restarts=live.restarts + 1
         )
 
     @property
