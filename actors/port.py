@@ -72,6 +72,12 @@ class EnginePort(Protocol):
         ...
 
     @property
+    def weights(self) -> str:
+        """The weights' form as the engine runs them: ``bfloat16``, ``bfloat16, quantized``,
+        or dequantized at load (``engine/model/dequantize.py``)."""
+        ...
+
+    @property
     def kv_bytes(self) -> int:
         """KV bytes held by live rows, as of the last engine call."""
         ...

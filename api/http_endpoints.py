@@ -136,6 +136,8 @@ class Api:
         }
         if (stats := self.state.statistics()) is not None:
             extra["batch_mode"] = stats.batch_mode  # batch, serial (caches that cannot merge), off
+        if rt is not None:
+            extra["weights"] = rt.weights  # dequantized at load on CUDA, say
         # OpenAI's list and model fields, and Anthropic's beside them (``type``, ``display_name``,
         # ``created_at``, the page's ``has_more`` and ids): each SDK reads its own.
         return JSONResponse(

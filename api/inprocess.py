@@ -155,6 +155,11 @@ class RuntimeHandle:
         return self._runtime.engine.kv_scheme
 
     @property
+    def weights(self) -> str:
+        """The weights' form as the engine runs them (dequantized at load on CUDA, say)."""
+        return self._runtime.engine.weights
+
+    @property
     def sampling_defaults(self) -> SamplingDefaults:
         """What a request whose ``params`` is None gets, over OpenAI's values: the model's
         ``generation_config.json``."""

@@ -124,7 +124,9 @@ async def serve(
                 state.model_id = names[0]
                 freeze_startup_heap()
                 served = f" as {', '.join(names)}" if names != (rt.model_id,) else ""
-                logger.info("serving model '%s'%s at %s", rt.model_id, served, url)
+                logger.info(
+                    "serving model '%s'%s (weights: %s) at %s", rt.model_id, served, rt.weights, url
+                )
                 logger.info("sampling defaults: %s", describe(state.sampling_layers(rt)))
                 example = curl_example(url, names[0], bool(options.http.api_keys))
                 logger.info("try: %s", example)

@@ -42,18 +42,20 @@ GiB = 1 << 30
 DEFAULT_DIR = Path.home() / ".cache" / "mlx-trio" / "bench-llama-1b-bf16"
 
 
-def build_model_dir(path: Path, quick: bool, shape: str = "1b") -> None:
-    """Write the GPU bench's model (``shape``: 1b or 8b) and tokenizer
-    (``mlx_trio.api.bench.models``) as an mlx-lm model directory."""
+def build_model_dir(path: Path, quick: bool, shape: str = "1b", quantized: bool = False) -> None:
+    """Write the GPU bench's model (``shape``: 1b or 8b; ``quantized``: 4-bit, group 64) and
+    tokenizer (``mlx_trio.api.bench.models``) as an mlx-lm model directory."""
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
     from mlx_trio.api.bench.models import make_model, make_tokenizer, model_args
 
     path.mkdir(parents=True, exist_ok=True)
-    model = make_model(quick, quantized=False, shape=shape)
+    model = make_model(quick, quantized=quantized, shape=shape)
     save_model(path, model)
     config = {k: v for k, v in vars(model_args(quick, shape)).items() if v is not None}
+    if quantized:
+        config["quantization"] = {"group_size": 64, "bits": 4}
     save_config({**config, "torch_dtype": "bfloat16"}, config_path=path / "config.json")
     make_tokenizer()._tokenizer.save_pretrained(path)
     del model
@@ -240,11 +242,12 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/memory.json")
     parser.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=["1b", "8b"], default="1b", help=argparse.SUPPRESS)
+    parser.add_argument("--quantized", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.build_only:
-        build_model_dir(Path(args.model_dir), args.quick, args.shape)
+        build_model_dir(Path(args.model_dir), args.quick, args.shape, args.quantized)
         return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     report = trio.run(partial(run, args))

@@ -159,6 +159,7 @@ class EngineStarted:
     unbatchable: str | None = None
     adapters: tuple[AdapterInfo, ...] = ()
     kv_scheme: str = ""  # how rows keep keys and values (``KVScheme.describe``)
+    weights: str = ""  # the weights' form as the engine runs them (``LoadedModel.form``)
 
     @classmethod
     def of(cls, core: EngineCore, warmup: WarmupReport | None = None) -> EngineStarted:
@@ -171,6 +172,7 @@ class EngineStarted:
             engine.caches.unbatchable_reason,
             engine.adapter_infos,
             engine.kv_scheme.describe(),
+            engine.loaded.form,
         )
 
 

@@ -36,6 +36,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .memory import ModelMemory, measure_model
+from .model import dequantize as dequantizing
 from .model import fused
 from .model.adapters import Adapters, AdapterSpec, mount
 from .model.loader import LoadedModel, load_model
@@ -296,6 +297,7 @@ class Engine:
         memory_limit: MemoryLimit | None = None,
         split: Callable[[Any], None] | None = None,
         fuse: bool | None = None,
+        dequantize: bool | None = None,
         adapters: Sequence[AdapterSpec] = (),
         kv_scheme: KVScheme = FULL_KV,
     ) -> Engine:
@@ -305,11 +307,15 @@ class Engine:
         ``split``: a rank keeps its part of the model, before its weights are read
         (``loader.load_model``). ``fuse``: one matmul for the projections that read the same
         input (``engine/model/fused.py``; None: its default, on a GPU, where no ``split`` is
-        given: a rank's part is not fused, a kernel primer's first layer is).
+        given: a rank's part is not fused, a kernel primer's first layer is). ``dequantize``:
+        a quantized model's weights dequantized at load (``engine/model/dequantize.py``; None:
+        its default, on CUDA where they fit, not for a rank's part).
         ``adapters``: LoRA adapters served beside the model, each row with its own
         (``engine/model/adapters.py``); one that does not fit raises ``AdapterError``.
         ``kv_scheme``: the rows' keys and values quantized or not (``batch/quantized_kv.py``)."""
         loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
+        if (split is None or dequantize) and dequantizing.wanted(loaded, given=dequantize):
+            loaded = dequantizing.dequantize(loaded)
         if (split is None or fuse) and fused.wanted(loaded.device, given=fuse):
             fused.fuse_projections(loaded.model)
         mounted = mount(loaded.model, adapters) if adapters else None

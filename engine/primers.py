@@ -200,7 +200,7 @@ class KernelPrimers:
         os.environ.setdefault("MLX_PTX_CACHE_DIR", str(ptx_cache_dir()))
         cache = Path(os.environ["MLX_PTX_CACHE_DIR"])
         directory = Path(tempfile.mkdtemp(prefix="mlx-trio-primers-"))
-        groups = groups_for(quantized=_is_quantized(model_path))
+        groups = groups_for(quantized=_is_quantized(model_path) and not _dequantized(options))
         context = multiprocessing.get_context("spawn")
         recipe = replace(options, model=str(model_path), adapters=(), ranks=None)
         processes = {
@@ -286,7 +286,8 @@ def _compile(options: EngineOptions, group: str, max_batch: int, force: bool) ->
         mx.eval(RowSampler(SamplingParams(temperature=1.0))(logits[0:1]))
         return "the row sampler"
     fuse = fused.wanted("gpu" if runs_on_gpu(options.device) else "cpu", given=options.fuse)
-    engine = options.loader()(split=keep_first_layer, fuse=fuse)
+    # The weights in the form the engine will run them in (its first layer alone always fits).
+    engine = options.loader()(split=keep_first_layer, fuse=fuse, dequantize=_dequantized(options))
     core = EngineCore(engine, max_batch=max_batch)
     quantized = engine.loaded.is_quantized
     report = warm_up(
@@ -311,6 +312,14 @@ def local_model_dir(spec: str | None) -> Path | None:
 def groups_for(*, quantized: bool) -> list[str]:
     """The primer groups of a model, quantized or not."""
     return [SAMPLER, *MODEL_GROUPS, *(TILE_GROUPS if quantized else ())]
+
+
+def _dequantized(options: EngineOptions) -> bool:
+    """Whether the engine will dequantize a quantized model (``model/dequantize.py``)."""
+    from .devices import runs_on_gpu
+    from .model import dequantize
+
+    return dequantize.expected(runs_on_gpu(options.device))
 
 
 def _is_quantized(model_path: Path) -> bool:

@@ -120,6 +120,8 @@ def test_the_readmes_first_curl_answers_paris_every_time(server):
         if entry["source"] == "model"
     }
     assert from_model == {"temperature": 0.1, "repetition_penalty": 1.1}
+    # The CPU loader dequantizes the default model (4-bit, some layers 8-bit) to float32.
+    assert model["weights"] == "float32, dequantized from 4/8-bit at load"
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     body = json.loads(re.search(r"curl -s \S+/v1/chat/completions.*?-d '(.*?)'", readme, re.S)[1])
     body["model"] = model["id"]

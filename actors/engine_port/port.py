@@ -207,6 +207,10 @@ class CorePort:
         return self._started.kv_scheme
 
     @property
+    def weights(self) -> str:
+        return self._started.weights
+
+    @property
     def warmup(self) -> WarmupReport | None:
         """The warm-up's report, if the engine was warmed up."""
         return self._started.warmup

@@ -119,6 +119,10 @@ class FaultyEngine:
         return self.inner.kv_scheme
 
     @property
+    def weights(self) -> str:
+        return self.inner.weights
+
+    @property
     def kv_bytes(self) -> int:
         return self.inner.kv_bytes
 

@@ -28,7 +28,6 @@ layout (its projections are split across ranks).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
@@ -37,7 +36,7 @@ from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import InvalidRequestError
+from .switches import env_switch
 
 log = logging.getLogger(__name__)
 
@@ -117,19 +116,11 @@ class FusedLinear(nn.Linear):
 
 def wanted(device: str, *, given: bool | None = None) -> bool:
     """Whether to fuse a model loaded on ``device`` (``"cpu"`` or ``"gpu"``): ``given`` if not
-    None, else ``MLX_TRIO_FUSE_PROJECTIONS`` (``on``/``off``) if set, else on a GPU only.
-    Another value of the variable is an :class:`InvalidRequestError` (the CLI's one-line
-    error, as a ``--device gpu`` without a GPU)."""
+    None, else ``MLX_TRIO_FUSE_PROJECTIONS`` (``on``/``off``) if set, else on a GPU only."""
     if given is not None:
         return given
-    setting = os.environ.get(ENV, "auto").strip().lower()
-    if setting in {"on", "1", "true", "yes"}:
-        return True
-    if setting in {"off", "0", "false", "no"}:
-        return False
-    if setting != "auto":
-        raise InvalidRequestError(f"{ENV} must be on, off or auto, not {setting!r}")
-    return device == "gpu"
+    setting = env_switch(ENV)
+    return device == "gpu" if setting is None else setting
 
 
 def _plain(module: Any) -> bool:

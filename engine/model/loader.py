@@ -2,7 +2,8 @@
 
 On CPU, quantized weights are dequantized to float32 once at load: MLX's CPU quantized matmul
 is not BLAS-backed, so the 4-bit default model decodes at about 7 tok/s against about 17 tok/s
-in float32 with OpenBLAS. On GPU the weights stay as stored.
+in float32 with OpenBLAS. On a GPU the weights stay as stored here; on CUDA the engine then
+dequantizes them where they fit (``dequantize.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ class LoadedModel:
     context_length: int
     device: str
     sampling_defaults: SamplingDefaults = NO_DEFAULTS
+    weights: str = ""  # the weights' form where it is not the checkpoint's (dequantized, say)
+
+    @property
+    def form(self) -> str:
+        """The weights' form as they run: ``bfloat16``, ``bfloat16, quantized``, or what the
+        engine made of them at load."""
+        return self.weights or f"{self.dtype}{', quantized' if self.is_quantized else ''}"
 
 
 def load_model(
@@ -88,7 +96,10 @@ def load_model(
         else:
             message = f"mlx-lm could not load model {resolved.model_id!r} ({type(exc).__name__})"
         raise UnsupportedModelError(message) from exc
+    weights = ""
     if on_cpu:
+        if bits := quantized_bits(model):
+            weights = f"float32, {dequantized_from(bits)}"
         # Scales go to float32 first: dequantizing from float16 is much slower on CPU (design/024).
         model.set_dtype(mx.float32)
         model = dequantize_model(model)
@@ -99,11 +110,12 @@ def load_model(
         tokenizer=tokenizer,
         model_id=resolved.model_id,
         path=resolved.path,
-        dtype=_main_dtype(model),
+        dtype=main_dtype(model),
         is_quantized=any("scales" in m for _, m in model.named_modules()),
         context_length=_context_length(config, tokenizer),
         device="cpu" if on_cpu else "gpu",
         sampling_defaults=SamplingDefaults.read(resolved.path),
+        weights=weights,
     )
     logger.info(
         "loaded %s on %s (%s%s, context %d)",
@@ -181,7 +193,22 @@ def _select_device(device: Device) -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def _main_dtype(model: nn.Module) -> str:
+def quantized_modules(model: nn.Module) -> list[Any]:
+    """``model``'s quantized layers (linears, embeddings, MoE experts)."""
+    return [m for _, m in model.named_modules() if "scales" in m and hasattr(m, "bits")]
+
+
+def quantized_bits(model: nn.Module) -> list[int]:
+    """The bit widths of ``model``'s quantized layers, sorted (empty: none)."""
+    return sorted({m.bits for m in quantized_modules(model)})
+
+
+def dequantized_from(bits: list[int]) -> str:
+    """How a form dequantized at load says so: ``dequantized from 4-bit at load``."""
+    return f"dequantized from {'/'.join(map(str, bits))}-bit at load"
+
+
+def main_dtype(model: nn.Module) -> str:
     """The floating dtype that holds most of the model's parameter elements."""
     sizes: Counter[str] = Counter()
     for _, value in tree_flatten(model.parameters()):
