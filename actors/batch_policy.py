@@ -9,8 +9,8 @@ call, near ``LOOP_SHARE`` of the call. A row's tokens then wait for the call's l
 small batch (``SMALL_BATCH`` rows or fewer, where the loop's work per call is small) runs one
 step a call instead and lets the engine run that many steps ahead of its calls: each call hands
 out what was sampled meanwhile, at once, and the engine does not wait for the loop either. An
-engine in a process of its own does not share the loop's GIL, so batches of up to 64 rows run
-that way there (design/030).
+engine in a process of its own on a GPU shares neither the loop's GIL nor its cores, so batches
+of up to 64 rows run that way there (design/030).
 
 :class:`BatchLimit`: how many rows the batch admits. A step that fails to allocate memory halves
 it; each ``RECOVER_AFTER_CALLS`` engine calls that succeed give one row back, up to
@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 # The event loop's CPU time per engine call (fan-out, consumers waking, HTTP streaming)
 # may add at most this share to the call's steps; it is measured as the calls run.
 LOOP_SHARE = 0.03
-# An engine in a process of its own runs ahead of calls that hand out every step's tokens up to
-# SMALL_BATCH_APART rows and every STEPS_APART steps' up to LARGE_BATCH_APART; larger batches
-# keep calls of several steps, where handing out a step or two at a time lost 15-25% of the
-# H200's tok/s at 128-256 streams (design/030).
+# An engine in a process of its own on a GPU runs ahead of calls that hand out every step's
+# tokens up to SMALL_BATCH_APART rows and every STEPS_APART steps' up to LARGE_BATCH_APART;
+# larger batches keep calls of several steps, where handing out a step or two at a time lost
+# 15-25% of the H200's tok/s at 128-256 streams (design/030).
 SMALL_BATCH_APART = 16
 STEPS_APART = 2
 LARGE_BATCH_APART = 64
@@ -77,10 +77,11 @@ class CallPacer:
     def plan(self, *, single: bool, rows: int, apart: bool = False) -> tuple[int, int]:
         """The next call's ``(steps, ahead)`` for a batch of ``rows`` (``steps``): a small
         batch that would run several steps a call runs one and lets the engine run as many
-        ahead. An engine ``apart`` (in a process of its own, whose steps the loop's work does
-        not slow) runs ahead of such calls up to ``LARGE_BATCH_APART`` rows, each handing out
-        every token sampled since the last: at least one step's up to ``SMALL_BATCH_APART``
-        rows, ``STEPS_APART`` steps' beyond (each call costs the engine time a row)."""
+        ahead. An engine ``apart`` (in a process of its own on a GPU, whose steps the loop's
+        work does not slow) runs ahead of such calls up to ``LARGE_BATCH_APART`` rows, each
+        handing out every token sampled since the last: at least one step's up to
+        ``SMALL_BATCH_APART`` rows, ``STEPS_APART`` steps' beyond (each call costs the engine
+        time a row)."""
         if self.fixed is None and apart and not single and rows <= LARGE_BATCH_APART:
             return (1 if rows <= SMALL_BATCH_APART else STEPS_APART), MAX_STEPS_PER_CALL
         steps = self.steps(single=single)

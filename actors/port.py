@@ -72,6 +72,12 @@ class EnginePort(Protocol):
         ...
 
     @property
+    def steps_apart(self) -> bool:
+        """Whether the engine steps in a process of its own on a GPU: the event loop's work
+        takes neither its GIL nor the cores its steps use (``batch_policy.CallPacer``)."""
+        ...
+
+    @property
     def weights(self) -> str:
         """The weights' form as the engine runs them: ``bfloat16``, ``bfloat16, quantized``,
         or dequantized at load (``engine/model/dequantize.py``)."""

@@ -160,6 +160,7 @@ class EngineStarted:
     adapters: tuple[AdapterInfo, ...] = ()
     kv_scheme: str = ""  # how rows keep keys and values (``KVScheme.describe``)
     weights: str = ""  # the weights' form as the engine runs them (``LoadedModel.form``)
+    device: str = ""  # where the model runs: ``cpu`` or ``gpu``
 
     @classmethod
     def of(cls, core: EngineCore, warmup: WarmupReport | None = None) -> EngineStarted:
@@ -173,6 +174,7 @@ class EngineStarted:
             engine.adapter_infos,
             engine.kv_scheme.describe(),
             engine.loaded.form,
+            engine.loaded.device,
         )
 
 

@@ -211,6 +211,10 @@ class CorePort:
         return self._started.weights
 
     @property
+    def steps_apart(self) -> bool:
+        return self._started.device == "gpu" and self._liveness.pid is not None
+
+    @property
     def warmup(self) -> WarmupReport | None:
         """The warm-up's report, if the engine was warmed up."""
         return self._started.warmup

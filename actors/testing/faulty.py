@@ -123,6 +123,10 @@ class FaultyEngine:
         return self.inner.weights
 
     @property
+    def steps_apart(self) -> bool:
+        return self.inner.steps_apart
+
+    @property
     def kv_bytes(self) -> int:
         return self.inner.kv_bytes
 

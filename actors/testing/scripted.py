@@ -133,6 +133,11 @@ class ScriptedEngine:
         return "scripted"
 
     @property
+    def steps_apart(self) -> bool:
+        """As an engine process on a GPU, where it says it has a process (``pid``)."""
+        return self._liveness.pid is not None
+
+    @property
     def kv_bytes(self) -> int:
         rows = list(self._rows.values()) + ([self._serial] if self._serial else [])
         return sum((r.prefilled + r.generated) * BYTES_PER_TOKEN for r in rows)

@@ -95,14 +95,15 @@ async def run_plan(
 async def _at_rest(
     client: Client, inner: EnginePort, within_s: float
 ) -> tuple[RuntimeStatistics, int | None, int]:
-    """The runtime's statistics, /health's status and the engine's rows once nothing is held,
-    or after ``within_s`` (a step's watchdog: time for a step in flight to end) if something
-    still is."""
+    """The runtime's statistics, /health's status and the engine's rows once nothing is held
+    and the engine is up (a killed one restarted), or after ``within_s`` (a step's watchdog:
+    time for a step in flight to end) if not."""
     deadline = trio.current_time() + within_s
     while True:
         stats, health = await client.observe()
         engine_rows = getattr(inner, "num_rows", 0)
         quiet = not held_at_rest(stats, engine_rows) and stats.lane_mode == "idle"
+        quiet = quiet and stats.engine.is_up
         if quiet or trio.current_time() >= deadline:
             return stats, health, engine_rows
         await trio.sleep(min(0.05, within_s / 20))
