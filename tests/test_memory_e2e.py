@@ -28,8 +28,9 @@ MiB = 1 << 20
 # (8 at 141 MB too: a prefill group's), so these leave a KV pool of about 70 and 200 MiB.
 SMALL_LIMIT = "720MiB"
 RSS_LIMIT = "780MiB"
-# Their ~7,000 tokens (56 each) overfill that pool of ~4,500: the prompt cache fills it.
+# Their ~6,100 tokens (48 each) overfill that pool of ~4,500: the prompt cache fills it.
 RSS_CLIENTS = 128
+RSS_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ async def test_resident_memory_after_128_clients_stays_within_what_the_budget_co
     ]
     async with open_server("mlx-trio", argv, port, Path(tmp_path) / "serve.log") as running:
         ready_rss = resident_bytes(running.pid)
-        result = await run_load(running.url, clients=RSS_CLIENTS, max_tokens=16)
+        result = await run_load(running.url, clients=RSS_CLIENTS, max_tokens=RSS_NEW_TOKENS)
         assert result.num_ok == RSS_CLIENTS, result.errors
         after_rss = resident_bytes(running.pid)
         async with httpx.AsyncClient(base_url=running.url) as http:
