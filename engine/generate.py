@@ -18,8 +18,6 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .batch.alone import Select, no_adapters
@@ -41,7 +39,9 @@ from .model import fused
 from .model.adapters import Adapters, AdapterSpec, mount
 from .model.loader import LoadedModel, load_model
 from .outputs import AdapterInfo, Delta, GenerationStats
-from .params import PreparedRequest, SamplingParams
+from .params import PreparedRequest, SamplingParams, Speculation
+from .speculative.plan import resolve
+from .speculative.steps import open_steps
 from .vocabulary.grammar import grammar_failure
 from .vocabulary.grammar_sandbox import GrammarSandbox, TokenizerSpec
 from .vocabulary.prompt import Prompt, check_fits, check_length_before_rendering, encode_prompt
@@ -50,7 +50,6 @@ from .vocabulary.sampling import (
     make_row_processors,
     make_row_sampler,
     repair_random_state,
-    with_history,
     with_injected_fault,
 )
 from .vocabulary.sampling_defaults import SamplingDefaults
@@ -102,16 +101,19 @@ class Generation:
             on_progress = _offset_progress(on_progress, done)
             skip += done
         processors = make_row_processors(params, self._engine.tokenizer)
-        steps = generate_step(
-            mx.array(prompt[skip:]),
+        steps = open_steps(
             self._model,
+            prompt[skip:],
+            caches=kv,
+            history=prompt[:skip],
             max_tokens=params.max_tokens,
-            sampler=with_injected_fault(make_row_sampler(params), self._request) or greedy_sampler,
-            logits_processors=with_history(processors, prompt[:skip]),
-            prompt_cache=kv,
+            sampler=with_injected_fault(make_row_sampler(params), self._request),
+            processors=processors,
             prefill_step_size=self._engine.prefill_step_size,
-            prompt_progress_callback=on_progress,
+            speculation=self._engine.speculation_for(params),
+            on_progress=on_progress,
         )
+        self._decoder.drafts = getattr(steps, "counts", None)
         generated: list[int] = []
         try:
             for token, logprobs in steps:
@@ -250,6 +252,7 @@ class Engine:
         memory_limit: MemoryLimit | None = None,
         adapters: Adapters | None = None,
         kv_scheme: KVScheme = FULL_KV,
+        speculation: Speculation | None = None,
     ):
         """``prompt_cache_bytes``: the prompt cache's budget; 0 turns it off, None picks
         :func:`default_budget_bytes`. ``token_budget``: how much prompt the batch prefills a
@@ -257,7 +260,8 @@ class Engine:
         ``memory_limit``: the memory budget an ``EngineCore`` plans over this engine and sets
         in MLX (None: none; ``engine/memory.py``); the model is measured for it here.
         ``adapters``: the LoRA adapters mounted over the model (``Adapters``; None: none).
-        ``kv_scheme``: how rows keep their keys and values (``batch/quantized_kv.py``)."""
+        ``kv_scheme``: how rows keep their keys and values (``batch/quantized_kv.py``).
+        ``speculation``: what a request that asks for none gets (``engine/speculative/``)."""
         self.loaded = loaded
         self.adapters = adapters
         self.token_budget = token_budget
@@ -270,6 +274,11 @@ class Engine:
         if kv_scheme.bits is not None:
             _check_scheme(self.model, self.new_caches(), kv_scheme)
         logger.info("%s: %s; %s", loaded.model_id, self.caches.describe(), kv_scheme.describe())
+        self.speculation = speculation
+        # A rejected draft's tokens are trimmed back out of the caches (design/032).
+        self.can_speculate = self.caches.rewind and not self.caches.checkpoints
+        if not self.can_speculate:
+            logger.info("speculative decoding off: the model's caches cannot be trimmed back")
         self.preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
         # Over several ranks: rank 0 sends its calls to the others (engine/ranks/distributed.py).
         self.lockstep: Lockstep | None = None
@@ -399,3 +408,9 @@ class Engine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    def speculation_for(self, params: SamplingParams) -> Speculation | None:
+        """How a row of ``params`` speculates (None: it steps plain)."""
+        if not self.can_speculate:
+            return None
+        return resolve(params.speculative, self.speculation)
