@@ -78,9 +78,14 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """``drafted_tokens``: tokens speculative decoding proposed; ``accepted_tokens``: those the
+    model kept (both 0 for a session that did not speculate)."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

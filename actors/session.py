@@ -165,7 +165,7 @@ class Session:
                         assert delta.finish_reason is not None
                         return Completed(
                             finish_reason=delta.finish_reason,
-                            usage=self._usage(cached=stats.cached_tokens),
+                            usage=self._usage(stats),
                             timings=self._timings(),
                             lane=self.lane,
                             committed_tokens=self._consumer.num_sent_tokens,
@@ -277,11 +277,13 @@ class Session:
         self.state = "terminal"
         self.done.set()
 
-    def _usage(self, cached: int = 0) -> Usage:
+    def _usage(self, stats: GenerationStats | None = None) -> Usage:
         return Usage(
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=self._num_generated,
-            cached_tokens=cached,
+            cached_tokens=stats.cached_tokens if stats else 0,
+            drafted_tokens=stats.drafted_tokens if stats else 0,
+            accepted_tokens=stats.accepted_tokens if stats else 0,
         )
 
     def _timings(self) -> Timings:

@@ -93,6 +93,8 @@ class Exchange:
             case Completed(usage=usage, timings=timings):
                 metrics.requests.labels(endpoint, "completed").inc()
                 metrics.prompt_tokens.inc(usage.prompt_tokens)
+                metrics.drafted_tokens.inc(usage.drafted_tokens)
+                metrics.accepted_tokens.inc(usage.accepted_tokens)
                 metrics.generated_tokens.inc(usage.completion_tokens)
                 if timings.ttft_s is not None:
                     metrics.ttft.observe(timings.ttft_s)
@@ -112,7 +114,7 @@ class Exchange:
         summary = ",".join(describe(o) for o in done)
         logger.info(
             "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
-            "queued=%s prefill=%s decode=%s total=%.3fs",
+            "queued=%s prefill=%s decode=%s total=%.3fs%s",
             self.request_id,
             status,
             summary,
@@ -123,4 +125,7 @@ class Exchange:
             seconds(first and first.prefill_s),
             seconds(first and first.decode_s),
             time.perf_counter() - self.started,
+            f" drafted={usage.drafted_tokens} accepted={usage.accepted_tokens}"
+            if usage.drafted_tokens
+            else "",
         )

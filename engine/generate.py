@@ -112,8 +112,8 @@ class Generation:
             prefill_step_size=self._engine.prefill_step_size,
             speculation=self._engine.speculation_for(params),
             on_progress=on_progress,
+            counts=self._decoder.drafts,
         )
-        self._decoder.drafts = getattr(steps, "counts", None)
         generated: list[int] = []
         try:
             for token, logprobs in steps:
@@ -309,6 +309,7 @@ class Engine:
         dequantize: bool | None = None,
         adapters: Sequence[AdapterSpec] = (),
         kv_scheme: KVScheme = FULL_KV,
+        speculation: Speculation | None = None,
     ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
         budget is the device's (``default_budget``), with the limits given overriding it
@@ -321,7 +322,8 @@ class Engine:
         its default, on CUDA where they fit, not for a rank's part).
         ``adapters``: LoRA adapters served beside the model, each row with its own
         (``engine/model/adapters.py``); one that does not fit raises ``AdapterError``.
-        ``kv_scheme``: the rows' keys and values quantized or not (``batch/quantized_kv.py``)."""
+        ``kv_scheme``: the rows' keys and values quantized or not (``batch/quantized_kv.py``).
+        ``speculation``: what a request that asks for none gets (``engine/speculative/``)."""
         loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
         if (split is None or dequantize) and dequantizing.wanted(loaded, given=dequantize):
             loaded = dequantizing.dequantize(loaded)
@@ -351,6 +353,7 @@ class Engine:
             memory_limit=memory_limit,
             adapters=mounted,
             kv_scheme=kv_scheme,
+            speculation=speculation,
         )
 
     @property

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .budget import MemoryLimit
 from .errors import AdapterError, InvalidRequestError, check_at_least
+from .params import Speculation
 from .ranks.rank_group import RankGroup
 
 if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here without it
@@ -70,7 +71,8 @@ class EngineOptions:
     started (GPU only). ``adapters``: LoRA adapters served beside the model, each as a model id
     of its own (``engine/model/adapters.py``; not over ranks). ``kv_bits``: keys and values
     kept quantized to 4 or 8 bits, groups of ``kv_group_size`` (``batch/quantized_kv.py``;
-    None: in the model's dtype).
+    None: in the model's dtype). ``speculation``: what a request that asks for none gets
+    (``engine/speculative/``; None: plain steps).
     """
 
     model: str | None = None
@@ -87,6 +89,7 @@ class EngineOptions:
     adapters: tuple[AdapterSpec, ...] = ()
     kv_bits: int | None = None
     kv_group_size: int = 64
+    speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
@@ -130,6 +133,7 @@ class EngineOptions:
             fuse=self.fuse,
             adapters=self.adapters,
             kv_scheme=KVScheme(self.kv_bits, self.kv_group_size),
+            speculation=self.speculation,
         )
 
 

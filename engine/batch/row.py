@@ -56,7 +56,7 @@ class RowDecoder:
         self._first_token_at: float | None = None
         self._finished_at: float | None = None
         self.finish_reason: FinishReason | None = None
-        self.drafts: DraftCounts | None = None  # the row's steps' counts, if it speculates
+        self.drafts = DraftCounts()  # what its steps drafted, if it speculates
 
     @property
     def is_finished(self) -> bool:
@@ -145,6 +145,6 @@ class RowDecoder:
             generated_tokens=self._num_generated,
             prefill_s=first - self._started_at,
             decode_s=end - first,
-            drafted_tokens=self.drafts.drafted if self.drafts is not None else 0,
-            accepted_tokens=self.drafts.accepted if self.drafts is not None else 0,
+            drafted_tokens=self.drafts.drafted,
+            accepted_tokens=self.drafts.accepted,
         )

@@ -70,10 +70,12 @@ class LookupSteps:
         logits_processors: Sequence[LogitsProcessor] = (),
         prefill_step_size: int = 512,
         on_progress: Callable[[int, int], None] | None = None,
+        counts: DraftCounts | None = None,
     ) -> None:
         """``prompt``: the tokens to feed on top of ``caches``, which hold ``history``;
         ``logits_processors`` are handed the tokens from ``prompt`` on, as ``generate_step``
-        hands them (``with_history`` prepends the rest)."""
+        hands them (``with_history`` prepends the rest). ``counts``: where the drafts are
+        counted (a row's, kept across its runs)."""
         assert prompt, "a row steps from at least one token"
         self._model = model
         self._caches = caches
@@ -87,14 +89,18 @@ class LookupSteps:
         self._ready: deque[tuple[int, mx.array]] = deque()
         self._num_generated = 0
         self._flight: _Flight | None = None
-        self.counts = DraftCounts()
-        self._pending = self._prefill(list(prompt), prefill_step_size, on_progress)
+        self.counts = counts if counts is not None else DraftCounts()
+        # Prefilled at the first step, as generate_step's: until then the caches are untouched.
+        self._prompt: list[int] | None = list(prompt)
+        self._prefill_step_size = prefill_step_size
+        self._on_progress = on_progress
+        self._pending = prompt[-1]
 
-    def _prefill(
-        self, prompt: list[int], step: int, on_progress: Callable[[int, int], None] | None
-    ) -> int:
+    def _prefill(self, prompt: list[int]) -> None:
         """Feed all of ``prompt`` but its last token, in chunks; the last is pending."""
-        total = len(prompt)
+        total, step, on_progress = len(prompt), self._prefill_step_size, self._on_progress
+        if on_progress is not None:
+            on_progress(0, total)
         with mx.stream(generation_stream):
             for start in range(0, total - 1, step):
                 chunk = prompt[start : min(start + step, total - 1)]
@@ -102,12 +108,14 @@ class LookupSteps:
                 mx.eval([c.state for c in self._caches])
                 if on_progress is not None:
                     on_progress(start + len(chunk), total)
-        return prompt[-1]
 
     def __iter__(self) -> LookupSteps:
         return self
 
     def __next__(self) -> tuple[int, mx.array]:
+        first = self._prompt is not None
+        if self._prompt is not None:
+            self._prefill(self._prompt)
         if not self._ready:
             if self._flight is None:
                 if self._num_generated >= self._max_tokens:
@@ -117,6 +125,10 @@ class LookupSteps:
             # The next forward runs while the caller takes these tokens (``generate_step``'s
             # step ahead): its input is known now.
             self._flight = self._launch() if self._num_generated < self._max_tokens else None
+        if first and self._prompt is not None:
+            if self._on_progress is not None:
+                self._on_progress(len(self._prompt), len(self._prompt))
+            self._prompt = None
         return self._ready.popleft()
 
     def _launch(self) -> _Flight:
@@ -203,10 +215,12 @@ def open_steps(
     prefill_step_size: int,
     speculation: Speculation | None,
     on_progress: Callable[[int, int], None] | None = None,
+    counts: DraftCounts | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """A row's steps from ``prompt`` over ``caches`` (which hold ``history``): mlx-lm's
     ``generate_step``, or :class:`LookupSteps` where the row speculates (``speculation``:
-    resolved, ``plan.resolve``). Close it when done."""
+    resolved, ``plan.resolve``; ``counts``: where its drafts are counted). Close it when
+    done."""
     processors = with_history(processors, list(history))
     if speculation is None:
         return generate_step(
@@ -232,4 +246,5 @@ def open_steps(
         logits_processors=processors,
         prefill_step_size=prefill_step_size,
         on_progress=on_progress,
+        counts=counts,
     )

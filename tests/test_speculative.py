@@ -1,0 +1,186 @@
+"""Speculative decoding (prompt lookup) on a tiny random llama: what a user sees is what plain
+steps give, on the serial lane and the batch's lone row, with the drafts counted."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mlx_trio.engine.batch.batch import BatchEngine
+from mlx_trio.engine.errors import InvalidRequestError
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.outputs import Delta, GenerationStats, RowOutput
+from mlx_trio.engine.params import Grammar, SamplingParams, Speculation
+from tests import families
+
+LOOKUP = Speculation("prompt_lookup", num_draft_tokens=4)
+# Greedy decoding on the tiny model falls into loops: a prompt that repeats itself and then
+# output that repeats, so drafts are taken whole, in part and not at all.
+PROMPT = "the cat sat on the mat and the dog sat on the log; " * 3
+
+
+def generate(
+    engine: Engine, params: SamplingParams, prompt: str = PROMPT
+) -> tuple[list[Delta], GenerationStats]:
+    generation = engine.generate(engine.prepare(prompt, params))
+    deltas = list(generation)
+    return deltas, generation.stats()
+
+
+def tokens_of(deltas: list[Delta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def text_of(deltas: list[Delta]) -> str:
+    return "".join(d.text for d in deltas)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 23, 60])
+def test_greedy_output_and_finish_equal_plain_steps_with_max_tokens_inside_a_draft(
+    tiny_engine, max_tokens
+):
+    plain = SamplingParams(temperature=0, max_tokens=max_tokens)
+    expected, _ = generate(tiny_engine, plain)
+    got, stats = generate(tiny_engine, replace(plain, speculative=LOOKUP))
+    assert tokens_of(got) == tokens_of(expected)
+    assert text_of(got) == text_of(expected)
+    assert got[-1].finish_reason == expected[-1].finish_reason == "length"
+    assert stats.generated_tokens == max_tokens
+    if max_tokens == 60:
+        assert 0 < stats.accepted_tokens <= stats.drafted_tokens
+
+
+def test_a_stop_string_inside_accepted_drafts_cuts_the_text_where_plain_steps_cut_it(
+    tiny_engine,
+):
+    plain = SamplingParams(temperature=0, max_tokens=60)
+    deltas = generate(tiny_engine, plain)[0]
+    whole = text_of(deltas)
+    # Output falls into a loop of 7 tokens from its 14th; drafts are taken from the 22nd: a
+    # stop string longer than the loop first ends inside them.
+    tokens = tokens_of(deltas)
+    start, end = (len(tiny_engine.decode(tokens[:n])) for n in (13, 33))
+    stop = whole[start:end]
+    expected, _ = generate(tiny_engine, replace(plain, stop=(stop,)))
+    got, stats = generate(tiny_engine, replace(plain, stop=(stop,), speculative=LOOKUP))
+    assert text_of(got) == text_of(expected) == whole[: whole.index(stop)]
+    assert got[-1].finish_reason == "stop"
+    assert stats.drafted_tokens > 0
+
+
+def test_logprobs_and_penalties_speculate_and_equal_plain_steps(tiny_engine):
+    plain = SamplingParams(
+        temperature=0, max_tokens=60, logprobs=True, top_logprobs=2, repetition_penalty=1.05
+    )
+    expected, _ = generate(tiny_engine, plain)
+    got, stats = generate(tiny_engine, replace(plain, speculative=LOOKUP))
+    assert tokens_of(got) == tokens_of(expected)
+    want = [(r.token, [t for t, _ in r.top]) for d in expected for r in d.logprobs or ()]
+    have = [(r.token, [t for t, _ in r.top]) for d in got for r in d.logprobs or ()]
+    assert have == want and len(have) == 60
+    values = [r.logprob for d in got for r in d.logprobs or ()]
+    assert values == pytest.approx(
+        [r.logprob for d in expected for r in d.logprobs or ()], abs=1e-4
+    )
+    assert stats.drafted_tokens > 0
+
+
+def test_a_sampled_row_accepts_by_its_own_draws(tiny_engine):
+    """top_k 1 draws the most likely token: the sampled path's acceptance gives greedy's output."""
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    drawn = SamplingParams(temperature=1.0, top_k=1, max_tokens=40, speculative=LOOKUP)
+    got, stats = generate(tiny_engine, drawn)
+    assert tokens_of(got) == tokens_of(generate(tiny_engine, greedy)[0])
+    assert stats.accepted_tokens > 0
+
+
+def test_a_grammar_row_steps_plain_and_still_matches(tiny_engine):
+    grammar = Grammar("regex", r"(yes|no), [0-9]{2,4}")
+    plain = SamplingParams(temperature=0, max_tokens=40, grammar=grammar)
+    expected, _ = generate(tiny_engine, plain)
+    got, stats = generate(tiny_engine, replace(plain, speculative=LOOKUP))
+    assert text_of(got) == text_of(expected)
+    assert stats.drafted_tokens == 0
+
+
+def test_closing_mid_draft_leaves_a_prompt_cache_entry_that_repeats_exactly():
+    """A consumer that leaves mid-draft: the row's KV is trimmed to the tokens handed out, so
+    the prompt cache's entry serves the next request as a fresh run would."""
+    engine = families.make_engine("llama", prompt_cache_bytes=1 << 24)
+    params = SamplingParams(temperature=0, max_tokens=50)
+    expected = tokens_of(generate(engine, params)[0])
+    request = engine.prepare(PROMPT, replace(params, speculative=LOOKUP))
+    generation = iter(engine.generate(request))
+    taken: list[int] = []
+    while len(taken) < 20:
+        taken += next(generation).token_ids
+    generation.close()  # type: ignore[attr-defined]
+    assert taken == expected[: len(taken)]
+    again, _ = generate(engine, replace(params, speculative=LOOKUP))
+    assert tokens_of(again) == expected
+    assert engine.prompt_cache is not None and engine.prompt_cache.statistics().hits >= 1
+
+
+def test_a_model_whose_caches_cannot_be_trimmed_steps_plain():
+    engine = families.make_engine("qwen3_5")
+    plain = SamplingParams(temperature=0, max_tokens=20)
+    expected, _ = generate(engine, plain)
+    got, stats = generate(engine, replace(plain, speculative=LOOKUP))
+    assert not engine.can_speculate
+    assert tokens_of(got) == tokens_of(expected)
+    assert stats.drafted_tokens == 0
+
+
+def test_the_batchs_lone_row_speculates_and_a_full_batch_equals_plain(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=40, speculative=LOOKUP)
+    expected = tokens_of(generate(tiny_engine, replace(params, speculative=None))[0])
+    batch = BatchEngine(tiny_engine, max_batch=4)
+    rows = [batch.add(tiny_engine.prepare(PROMPT, params)) for _ in range(2)]
+    got: dict[int, list[int]] = {}
+    stats: dict[int, GenerationStats] = {}
+    while batch.num_rows:
+        for event in batch.step():
+            if isinstance(event, RowOutput):
+                got.setdefault(event.row, []).extend(event.delta.token_ids)
+                if event.stats is not None:
+                    stats[event.row] = event.stats
+    assert [got[r] for r in rows] == [expected, expected]
+    lone = BatchEngine(tiny_engine, max_batch=4)
+    row = lone.add(tiny_engine.prepare(PROMPT, params))
+    alone: list[int] = []
+    while lone.num_rows:
+        for event in lone.step():
+            if isinstance(event, RowOutput):
+                alone += event.delta.token_ids
+                if event.stats is not None:
+                    assert event.row == row and event.stats.accepted_tokens > 0
+    assert alone == expected
+
+
+def test_the_engines_default_speculates_and_a_request_can_turn_it_off(tiny_engine):
+    engine = Engine(tiny_engine.loaded, prefill_step_size=16, speculation=LOOKUP)
+    plain = SamplingParams(temperature=0, max_tokens=30)
+    _, on = generate(engine, plain)
+    _, off = generate(engine, replace(plain, speculative=Speculation("none")))
+    assert on.drafted_tokens > 0 and off.drafted_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Speculation("medusa"), r"^speculative\.method must be one of prompt_lookup, "),
+        (
+            lambda: Speculation(num_draft_tokens=0),
+            r"^speculative\.num_draft_tokens must be between 1 and 16, got 0$",
+        ),
+        (
+            lambda: Speculation(ngram_size=1),
+            r"^speculative\.ngram_size must be between 2 and 8, got 1$",
+        ),
+    ],
+)
+def test_bad_speculation_is_a_typed_error_naming_the_field(build, message):
+    with pytest.raises(InvalidRequestError, match=message) as caught:
+        build()
+    assert caught.value.param.startswith("speculative.")
