@@ -4,6 +4,7 @@ rewrite of a given text comes out as plain steps give it, with its drafts in ``u
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import httpx
 import openai
@@ -30,35 +31,28 @@ def sdk(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
+def rewrite(server: ServerThread, sdk: openai.OpenAI, **kwargs: Any) -> Any:
+    """The greedy rewrite of ``COPY``, ``kwargs`` over ``MAX_TOKENS`` and speculation."""
+    asked = {"max_tokens": MAX_TOKENS, "extra_body": LOOKUP, **kwargs}
+    return sdk.chat.completions.create(
+        model=model_id(server), messages=MESSAGES, temperature=0, **asked
+    )
+
+
 @pytest.fixture(scope="module")
 def plain(server: ServerThread, sdk: openai.OpenAI) -> str:
     """The greedy rewrite with plain steps."""
-    reply = sdk.chat.completions.create(
-        model=model_id(server), messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS
-    )
+    reply = rewrite(server, sdk, extra_body=None)
     assert reply.usage.completion_tokens_details is None  # nothing drafted
     return reply.choices[0].message.content or ""
 
 
 def test_a_client_leaving_mid_draft_leaves_the_rewrite_as_plain_steps_give_it(server, sdk, plain):
-    stream = sdk.chat.completions.create(
-        model=model_id(server),
-        messages=MESSAGES,
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        stream=True,
-        extra_body=LOOKUP,
-    )
+    stream = rewrite(server, sdk, stream=True)
     for _, _ in zip(range(3), stream, strict=False):
         pass
     stream.close()
-    reply = sdk.chat.completions.create(
-        model=model_id(server),
-        messages=MESSAGES,
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        extra_body=LOOKUP,
-    )
+    reply = rewrite(server, sdk)
     assert reply.choices[0].message.content == plain
     assert "harbor town" in plain  # the rewrite copies from the text
     details = reply.usage.completion_tokens_details
@@ -72,15 +66,7 @@ def test_a_client_leaving_mid_draft_leaves_the_rewrite_as_plain_steps_give_it(se
 
 def test_a_stop_string_streams_the_text_before_it(server, sdk, plain):
     stop = plain[len(plain) // 2 :][:6]
-    stream = sdk.chat.completions.create(
-        model=model_id(server),
-        messages=MESSAGES,
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        stop=[stop],
-        stream=True,
-        extra_body=LOOKUP,
-    )
+    stream = rewrite(server, sdk, stop=[stop], stream=True)
     chunks = [c for c in stream if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain[: plain.index(stop)]
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -88,13 +74,7 @@ def test_a_stop_string_streams_the_text_before_it(server, sdk, plain):
 
 def test_a_deadline_mid_draft_ends_the_request_with_a_timeout(server, sdk):
     with pytest.raises(openai.APIStatusError) as caught:
-        sdk.chat.completions.create(
-            model=model_id(server),
-            messages=MESSAGES,
-            temperature=0,
-            max_tokens=400,
-            extra_body={**LOOKUP, "timeout": 2.0},
-        )
+        rewrite(server, sdk, max_tokens=400, extra_body={**LOOKUP, "timeout": 2.0})
     assert caught.value.status_code == 408
     assert httpx.get(f"{server.url}/health").status_code == 200
 
@@ -108,10 +88,5 @@ def test_a_deadline_mid_draft_ends_the_request_with_a_timeout(server, sdk):
 )
 def test_a_bad_speculative_field_is_a_400_naming_it(server, sdk, speculative, param):
     with pytest.raises(openai.BadRequestError) as caught:
-        sdk.chat.completions.create(
-            model=model_id(server),
-            messages=MESSAGES,
-            max_tokens=4,
-            extra_body={"speculative": speculative},
-        )
+        rewrite(server, sdk, max_tokens=4, extra_body={"speculative": speculative})
     assert caught.value.body["param"] == param
