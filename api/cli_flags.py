@@ -25,6 +25,7 @@ from .cli_args import (
     integer,
     logit_bias,
     memory_limit,
+    model,
     nonempty,
     number,
     sampling,
@@ -219,13 +220,23 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding (design/032)")
     group.add_argument(
         "--speculative",
-        choices=["prompt_lookup", "none"],
+        choices=["prompt_lookup", "draft_model", "none"],
         default=None,
         help="how a request that does not say (its `speculative` field) drafts tokens for the "
         "model to verify in one forward: prompt_lookup, the tokens after the latest earlier "
         "match of its last tokens in its prompt and output (pays where output repeats input: "
         "edits, rewrites); the serial lane and a lone batch row speculate, a batch of several "
-        "steps plain (default: none)",
+        "steps plain; draft_model, --draft-model's greedy tokens (default: draft_model with "
+        "--draft-model, else none)",
+    )
+    group.add_argument(
+        "--draft-model",
+        type=model,
+        default=None,
+        metavar="DIR|ID",
+        help="a small model sharing the model's tokenizer (checked at start), loaded beside it "
+        "to draft tokens; its KV is kept beside each row's and counted in the memory budget "
+        "(default: none)",
     )
     group.add_argument(
         "--num-draft-tokens",
@@ -245,6 +256,8 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
 def speculation(args: argparse.Namespace) -> Speculation | None:
     """The server's default speculation (None: none given)."""
     method = getattr(args, "speculative", None)
+    if method is None and getattr(args, "draft_model", None) is not None:
+        method = "draft_model"
     draft = getattr(args, "num_draft_tokens", None)
     ngram = getattr(args, "ngram_size", None)
     if method is None and draft is None and ngram is None:
@@ -273,4 +286,5 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         kv_bits=getattr(args, "kv_bits", None),
         kv_group_size=getattr(args, "kv_group_size", None),
         speculation=speculation(args),
+        draft_model=getattr(args, "draft_model", None),
     )

@@ -7,6 +7,7 @@ ways and prints decode tok/s, the ratio, the tokens drafted and accepted, and wh
 greedy texts are identical; the last line per prompt is the median ratio.
 
     python -m bench.speculative                      # the default model on this machine
+    python -m bench.speculative --only equality      # greedy text identical? 10 prompts
     python -m bench.speculative --verify-cost --shape 8b --device gpu   # the cost model
 
 ``--verify-cost`` measures what a verify step costs: one forward of 1 + k tokens over a KV
@@ -50,6 +51,17 @@ TEXT = (
 )
 COPY = f"Rewrite the following text exactly, changing only the word 'winter' to 'summer':\n\n{TEXT}"
 FREE = "Write a long story about a lighthouse keeper who finds a map in a bottle."
+# --equality's prompts: questions, code, lists and edits, where drafts are taken and refused.
+EQUALITY = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List ten fruits, one a line.",
+    "Explain what a hash table is to a child.",
+    "Fix the typo in this sentence and repeat it: 'The quick brown fox jumsp over the lazy dog.'",
+    "Translate to French: 'The weather is nice today and we are going to the beach.'",
+    "Write a haiku about the sea.",
+    "Rename the variable x to count in: def f(x):\n    y = x + 1\n    return x * y",
+)
 
 
 def run(engine: Engine, request: PreparedRequest) -> tuple[float, list[int], int, int]:
@@ -82,6 +94,29 @@ def paired(engine: Engine, name: str, prompt: str, args: argparse.Namespace) -> 
             flush=True,
         )
     print(f"{name}: median {statistics.median(ratios):.2f}x over {args.rounds} rounds", flush=True)
+
+
+def equality(engine: Engine, args: argparse.Namespace) -> None:
+    """Greedy tokens with and without prompt lookup on ``EQUALITY``'s prompts and the two above;
+    the first token where they part, for each prompt that differs."""
+    spec = Speculation("prompt_lookup", args.num_draft_tokens, args.ngram_size)
+    same = 0
+    prompts = (*EQUALITY, FREE, COPY)
+    for prompt in prompts:
+        params = SamplingParams(temperature=0, max_tokens=args.free_tokens)
+        messages = [{"role": "user", "content": prompt}]
+        _, base, _, _ = run(engine, engine.prepare(messages, params))
+        fast = SamplingParams(temperature=0, max_tokens=args.free_tokens, speculative=spec)
+        _, tokens, drafted, accepted = run(engine, engine.prepare(messages, fast))
+        if tokens == base:
+            same += 1
+        else:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(tokens, base, strict=False)) if a != b), None
+            )
+            print(f"differs at token {at}: {prompt[:40]!r}", flush=True)
+        print(f"  drafted {drafted}, accepted {accepted}: {prompt[:50]!r}", flush=True)
+    print(f"greedy identical: {same} of {len(prompts)} prompts", flush=True)
 
 
 def verify_cost(args: argparse.Namespace) -> None:
@@ -134,7 +169,7 @@ def main() -> None:
     parser.add_argument("--free-tokens", type=int, default=160)
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--ngram-size", type=int, default=None)
-    parser.add_argument("--only", choices=["copy", "free"], default=None)
+    parser.add_argument("--only", choices=["copy", "free", "equality"], default=None)
     parser.add_argument("--verify-cost", action="store_true")
     parser.add_argument("--shape", choices=["1b", "8b"], default="8b")
     parser.add_argument("--context", type=int, default=1024)
@@ -154,6 +189,8 @@ def main() -> None:
     if args.only in (None, "free"):
         args.max_tokens = args.free_tokens
         paired(engine, "free", FREE, args)
+    if args.only == "equality":
+        equality(engine, args)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from .model.adapters import Adapters, AdapterSpec, mount
 from .model.loader import LoadedModel, load_model
 from .outputs import AdapterInfo, Delta, GenerationStats
 from .params import PreparedRequest, SamplingParams, Speculation
+from .speculative.draft_model import load_draft, with_draft
 from .speculative.plan import resolve
 from .speculative.steps import open_steps
 from .vocabulary.grammar import grammar_failure
@@ -113,6 +114,7 @@ class Generation:
             speculation=self._engine.speculation_for(params),
             on_progress=on_progress,
             counts=self._decoder.drafts,
+            draft_model=self._engine.draft_model,
         )
         generated: list[int] = []
         try:
@@ -176,9 +178,12 @@ class RequestPreparer:
     """What ``prepare`` needs of a model, its tokenizer and context length, without its weights:
     an engine process's parent tokenizes with one while the model lives in the child."""
 
-    def __init__(self, tokenizer: TokenizerWrapper, context_length: int) -> None:
+    def __init__(
+        self, tokenizer: TokenizerWrapper, context_length: int, *, has_draft_model: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
+        self.has_draft_model = has_draft_model
         self.vocab_size = len(tokenizer)
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
@@ -213,6 +218,12 @@ class RequestPreparer:
                     )
         if params.grammar is not None:
             self.grammar_sandbox.check(params.grammar)
+        spec = params.speculative
+        if spec is not None and spec.method == "draft_model" and not self.has_draft_model:
+            raise InvalidRequestError(
+                "speculative.method draft_model needs a server started with --draft-model",
+                param="speculative.method",
+            )
 
     @functools.cached_property
     def grammar_sandbox(self) -> GrammarSandbox:
@@ -253,6 +264,7 @@ class Engine:
         adapters: Adapters | None = None,
         kv_scheme: KVScheme = FULL_KV,
         speculation: Speculation | None = None,
+        draft: LoadedModel | None = None,
     ):
         """``prompt_cache_bytes``: the prompt cache's budget; 0 turns it off, None picks
         :func:`default_budget_bytes`. ``token_budget``: how much prompt the batch prefills a
@@ -261,8 +273,10 @@ class Engine:
         in MLX (None: none; ``engine/memory.py``); the model is measured for it here.
         ``adapters``: the LoRA adapters mounted over the model (``Adapters``; None: none).
         ``kv_scheme``: how rows keep their keys and values (``batch/quantized_kv.py``).
-        ``speculation``: what a request that asks for none gets (``engine/speculative/``)."""
+        ``speculation``: what a request that asks for none gets (``engine/speculative/``).
+        ``draft``: the draft model, sharing the model's tokenizer (checked by ``load``)."""
         self.loaded = loaded
+        self.draft = draft
         self.adapters = adapters
         self.token_budget = token_budget
         self.model = loaded.model
@@ -279,7 +293,9 @@ class Engine:
         self.can_speculate = self.caches.rewind and not self.caches.checkpoints
         if not self.can_speculate:
             logger.info("speculative decoding off: the model's caches cannot be trimmed back")
-        self.preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
+        self.preparer = RequestPreparer(
+            loaded.tokenizer, loaded.context_length, has_draft_model=draft is not None
+        )
         # Over several ranks: rank 0 sends its calls to the others (engine/ranks/distributed.py).
         self.lockstep: Lockstep | None = None
         self.vocab_size = self.preparer.vocab_size
@@ -291,6 +307,9 @@ class Engine:
             self.model_memory = measure_model(
                 self.model, vocab_size=self.vocab_size, make=self._make_caches
             )
+            if draft is not None:
+                drafts = measure_model(draft.model, vocab_size=self.vocab_size)
+                self.model_memory = with_draft(self.model_memory, drafts)
         byte_level_table(self.tokenizer)  # built here (0.4 s for 128k ids), not by a request
 
     @classmethod
@@ -310,6 +329,7 @@ class Engine:
         adapters: Sequence[AdapterSpec] = (),
         kv_scheme: KVScheme = FULL_KV,
         speculation: Speculation | None = None,
+        draft_model: str | None = None,
     ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
         budget is the device's (``default_budget``), with the limits given overriding it
@@ -323,10 +343,15 @@ class Engine:
         ``adapters``: LoRA adapters served beside the model, each row with its own
         (``engine/model/adapters.py``); one that does not fit raises ``AdapterError``.
         ``kv_scheme``: the rows' keys and values quantized or not (``batch/quantized_kv.py``).
-        ``speculation``: what a request that asks for none gets (``engine/speculative/``)."""
+        ``speculation``: what a request that asks for none gets (``engine/speculative/``).
+        ``draft_model``: a draft model to load beside it, as ``spec`` is given; one whose
+        tokenizer is not the model's raises ``UnsupportedModelError``."""
         loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
         if (split is None or dequantize) and dequantizing.wanted(loaded, given=dequantize):
             loaded = dequantizing.dequantize(loaded)
+        draft = None
+        if draft_model is not None:
+            draft = load_draft(draft_model, loaded, device=device, dequantize=dequantize)
         if (split is None or fuse) and fused.wanted(loaded.device, given=fuse):
             fused.fuse_projections(loaded.model)
         mounted = mount(loaded.model, adapters) if adapters else None
@@ -354,6 +379,7 @@ class Engine:
             adapters=mounted,
             kv_scheme=kv_scheme,
             speculation=speculation,
+            draft=draft,
         )
 
     @property
@@ -411,6 +437,11 @@ class Engine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    @property
+    def draft_model(self) -> Any:
+        """The draft model's module (None: none loaded)."""
+        return self.draft.model if self.draft is not None else None
 
     def speculation_for(self, params: SamplingParams) -> Speculation | None:
         """How a row of ``params`` speculates (None: it steps plain)."""

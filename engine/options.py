@@ -72,7 +72,8 @@ class EngineOptions:
     of its own (``engine/model/adapters.py``; not over ranks). ``kv_bits``: keys and values
     kept quantized to 4 or 8 bits, groups of ``kv_group_size`` (``batch/quantized_kv.py``;
     None: in the model's dtype). ``speculation``: what a request that asks for none gets
-    (``engine/speculative/``; None: plain steps).
+    (``engine/speculative/``; None: plain steps). ``draft_model``: a model sharing the
+    model's tokenizer, loaded beside it to draft for the method ``draft_model``.
     """
 
     model: str | None = None
@@ -90,6 +91,7 @@ class EngineOptions:
     kv_bits: int | None = None
     kv_group_size: int = 64
     speculation: Speculation | None = None
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
@@ -107,6 +109,11 @@ class EngineOptions:
         check_at_least(self, 1, "max_preparation_tokens", "max_iteration_tokens")
         if self.adapters and self.ranks is not None:
             raise InvalidRequestError("LoRA adapters are not served over ranks", param="adapters")
+        spec = self.speculation
+        if spec is not None and spec.method == "draft_model" and self.draft_model is None:
+            raise InvalidRequestError(
+                "speculative decoding with a draft model needs --draft-model", param="draft_model"
+            )
         if self.device not in ("auto", "cpu", "gpu"):
             raise InvalidRequestError(
                 f"device must be auto, cpu or gpu, got {self.device!r}", param="device"
@@ -134,6 +141,7 @@ class EngineOptions:
             adapters=self.adapters,
             kv_scheme=KVScheme(self.kv_bits, self.kv_group_size),
             speculation=self.speculation,
+            draft_model=self.draft_model,
         )
 
 

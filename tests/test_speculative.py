@@ -3,16 +3,20 @@ steps give, on the serial lane and the batch's lone row, with the drafts counted
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 
 from mlx_trio.engine.batch.batch import BatchEngine
-from mlx_trio.engine.errors import InvalidRequestError
+from mlx_trio.engine.errors import InvalidRequestError, UnsupportedModelError
 from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.model.random_model import byte_level_tokenizer
 from mlx_trio.engine.outputs import Delta, GenerationStats, RowOutput
 from mlx_trio.engine.params import Grammar, SamplingParams, Speculation
+from mlx_trio.engine.speculative.draft_model import check_same_tokenizer
 from tests import families
+from tests.tiny import SPECIALS, make_loaded, make_model, make_tokenizer
 
 LOOKUP = Speculation("prompt_lookup", num_draft_tokens=4)
 # Greedy decoding on the tiny model falls into loops: a prompt that repeats itself and then
@@ -184,3 +188,43 @@ def test_bad_speculation_is_a_typed_error_naming_the_field(build, message):
     with pytest.raises(InvalidRequestError, match=message) as caught:
         build()
     assert caught.value.param.startswith("speculative.")
+
+
+def draft_engine(*, same_weights: bool) -> Engine:
+    """The tiny engine with a draft model: the model itself, or another random model of the
+    same tokenizer."""
+    loaded = make_loaded()
+    other = make_model(len(loaded.tokenizer), seed=9)
+    return Engine(
+        loaded, prefill_step_size=16, draft=loaded if same_weights else replace(loaded, model=other)
+    )
+
+
+@pytest.mark.parametrize("same_weights", [True, False], ids=["same weights", "other weights"])
+def test_a_draft_models_greedy_output_equals_plain_steps(same_weights):
+    engine = draft_engine(same_weights=same_weights)
+    params = SamplingParams(temperature=0, max_tokens=30, stop=("zz",))
+    expected, _ = generate(engine, params)
+    got, stats = generate(engine, replace(params, speculative=Speculation("draft_model")))
+    assert tokens_of(got) == tokens_of(expected)
+    assert got[-1].finish_reason == expected[-1].finish_reason
+    assert stats.drafted_tokens > 0
+    if same_weights:  # a draft that is the model is always right
+        assert stats.accepted_tokens == stats.drafted_tokens
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_in_one_line():
+    other = byte_level_tokenizer(["ab"], SPECIALS, eos_token="<|im_end|>", merges=[("a", "b")])
+    with pytest.raises(UnsupportedModelError) as caught:
+        check_same_tokenizer(make_tokenizer(), other, "other/draft")
+    assert re.fullmatch(
+        r"--draft-model other/draft: its tokenizer is not the model's \(260 tokens against 263, "
+        r"\d+ \(token, id\) pairs differ\); a draft must share the model's tokenizer",
+        caught.value.message,
+    )
+
+
+def test_asking_for_a_draft_model_the_engine_lacks_is_a_400(tiny_engine):
+    params = SamplingParams(speculative=Speculation("draft_model"))
+    with pytest.raises(InvalidRequestError, match=r"^speculative.method draft_model needs a "):
+        tiny_engine.prepare(PROMPT, params)

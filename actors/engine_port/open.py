@@ -86,7 +86,11 @@ async def open_engine(
                 ):
                     if tokenizer is not None:
                         loaded = await trio.to_thread.run_sync(tokenizer.result)
-                        preparer = RequestPreparer(loaded.tokenizer, loaded.context_length)
+                        preparer = RequestPreparer(
+                            loaded.tokenizer,
+                            loaded.context_length,
+                            has_draft_model=options.draft_model is not None,
+                        )
                     assert reply.value is not None
                     yield transport, reply.value
             else:

@@ -112,6 +112,7 @@ class SoloRow:
             prefill_step_size=self._prefill_chunk,
             speculation=self._engine.speculation_for(row.decoder.params),
             counts=row.decoder.drafts,
+            draft_model=self._engine.draft_model,
         )
 
     def step(self) -> tuple[int, mx.array, int | None]:

@@ -50,6 +50,10 @@ class NgramIndex:
             if end + 1 >= n:
                 ends[tuple(self._tokens[end + 1 - n : end + 1])] = end
 
+    def accepted(self, kept: list[int], num_accepted: int) -> None:
+        """The model kept ``kept`` (the draft's first ``num_accepted`` tokens, then its own)."""
+        self.extend(kept)
+
     def draft(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier match of the longest suffix
         (``max_n`` tokens down to 2) that occurred before; none without a match."""

@@ -1,14 +1,15 @@
-"""A row's steps with prompt-lookup drafts: the same contract as mlx-lm's ``generate_step``
-(iterate for ``(token, logprobs)``, one token at a time; ``close`` when done), so the serial
-lane and the batch's solo row swap one for the other.
+"""A row's steps with drafts (prompt lookup, or a draft model): the same contract as mlx-lm's
+``generate_step`` (iterate for ``(token, logprobs)``, one token at a time; ``close`` when done),
+so the serial lane and the batch's solo row swap one for the other.
 
-A step feeds the row's pending token and the draft (:class:`NgramIndex`) in one forward, samples
+A step feeds the row's pending token and the draft (:class:`NgramIndex`'s, or
+``ModelDrafter``'s) in one forward, samples
 every position with the row's own sampler, keeps the draft's tokens while they equal the
 samples, then the first sample that differs (or the one after the whole draft). For a greedy
 row that is the argmax chain; for a sampled row it is the standard rejection rule for a draft
 that puts all its mass on one token (accept it with the target's probability of it, else draw
 from the target without it), so the output keeps the target's distribution. The KV cache is
-trimmed back past the rejected tokens. With no match the step is a plain one-token step, and
+trimmed back past the rejected tokens. With no draft the step is a plain one-token step, and
 the draft's length adapts: halved after a draft that won nothing, doubled (up to the request's
 ``num_draft_tokens``) after one taken whole.
 
@@ -23,7 +24,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
@@ -36,6 +37,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from ..params import Speculation
 from ..vocabulary.grammar import GrammarProcessor
 from ..vocabulary.sampling import with_history
+from .draft_model import ModelDrafter
 from .lookup import DraftCounts, NgramIndex
 
 logger = logging.getLogger(__name__)
@@ -53,8 +55,16 @@ class _Flight:
     logprobs: mx.array
 
 
-class LookupSteps:
-    """``generate_step`` with prompt-lookup drafts for one row (see the module docstring)."""
+class Drafter(Protocol):
+    """Where a row's drafts come from: ``NgramIndex`` or ``ModelDrafter``."""
+
+    def draft(self, k: int) -> list[int]: ...
+
+    def accepted(self, kept: list[int], num_accepted: int) -> None: ...
+
+
+class SpeculativeSteps:
+    """``generate_step`` with drafts for one row (see the module docstring)."""
 
     def __init__(
         self,
@@ -65,7 +75,7 @@ class LookupSteps:
         history: Sequence[int],
         max_tokens: int,
         num_draft_tokens: int,
-        ngram_size: int,
+        drafter: Drafter,
         sampler: Sampler | None = None,
         logits_processors: Sequence[LogitsProcessor] = (),
         prefill_step_size: int = 512,
@@ -84,7 +94,7 @@ class LookupSteps:
         self._max_tokens = max_tokens
         self._max_draft = 0 if _has_grammar(self._processors) else num_draft_tokens
         self._num_draft = self._max_draft
-        self._index = NgramIndex([*history, *prompt], max_n=ngram_size)
+        self._drafter = drafter
         self._seen = list(prompt[:-1])  # fed before the pending token, for the processors
         self._ready: deque[tuple[int, mx.array]] = deque()
         self._num_generated = 0
@@ -109,7 +119,7 @@ class LookupSteps:
                 if on_progress is not None:
                     on_progress(start + len(chunk), total)
 
-    def __iter__(self) -> LookupSteps:
+    def __iter__(self) -> SpeculativeSteps:
         return self
 
     def __next__(self) -> tuple[int, mx.array]:
@@ -134,7 +144,7 @@ class LookupSteps:
     def _launch(self) -> _Flight:
         """Start one forward over the pending token and a draft."""
         room = self._max_tokens - self._num_generated - 1  # the last token needs no draft
-        draft = self._index.draft(min(self._num_draft, room))
+        draft = self._drafter.draft(min(self._num_draft, room))
         with mx.stream(generation_stream):
             logits = self._model(mx.array([self._pending, *draft])[None], cache=self._caches)[0]
             logits = self._processed(logits, draft)
@@ -157,7 +167,7 @@ class LookupSteps:
         self.counts.drafted += len(draft)
         self.counts.accepted += num_accepted
         self._num_generated += len(kept)
-        self._index.extend(kept)
+        self._drafter.accepted(kept, num_accepted)
         self._seen.extend([self._pending, *kept[:-1]])
         self._pending = kept[-1]
         self._ready.extend(zip(kept, flight.logprobs[: len(kept)], strict=True))
@@ -216,11 +226,12 @@ def open_steps(
     speculation: Speculation | None,
     on_progress: Callable[[int, int], None] | None = None,
     counts: DraftCounts | None = None,
+    draft_model: Any = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """A row's steps from ``prompt`` over ``caches`` (which hold ``history``): mlx-lm's
-    ``generate_step``, or :class:`LookupSteps` where the row speculates (``speculation``:
-    resolved, ``plan.resolve``; ``counts``: where its drafts are counted). Close it when
-    done."""
+    ``generate_step``, or :class:`SpeculativeSteps` where the row speculates (``speculation``:
+    resolved, ``plan.resolve``; ``counts``: where its drafts are counted; ``draft_model``: the
+    engine's, for the method ``draft_model``). Close it when done."""
     processors = with_history(processors, list(history))
     if speculation is None:
         return generate_step(
@@ -234,14 +245,21 @@ def open_steps(
             prompt_progress_callback=on_progress,
         )
     assert speculation.num_draft_tokens is not None and speculation.ngram_size is not None
-    return LookupSteps(
+    tokens = [*history, *prompt]
+    drafter: Drafter
+    if speculation.method == "draft_model":
+        assert draft_model is not None
+        drafter = ModelDrafter(draft_model, tokens, prefill_step_size=prefill_step_size)
+    else:
+        drafter = NgramIndex(tokens, max_n=speculation.ngram_size)
+    return SpeculativeSteps(
         model,
         prompt,
         caches=caches,
         history=history,
         max_tokens=max_tokens,
         num_draft_tokens=speculation.num_draft_tokens,
-        ngram_size=speculation.ngram_size,
+        drafter=drafter,
         sampler=sampler,
         logits_processors=processors,
         prefill_step_size=prefill_step_size,
