@@ -123,9 +123,9 @@ class SpeculativeSteps:
         return self
 
     def __next__(self) -> tuple[int, mx.array]:
-        first = self._prompt is not None
-        if self._prompt is not None:
-            self._prefill(self._prompt)
+        prompt, self._prompt = self._prompt, None
+        if prompt is not None:
+            self._prefill(prompt)
         if not self._ready:
             if self._flight is None:
                 if self._num_generated >= self._max_tokens:
@@ -135,10 +135,8 @@ class SpeculativeSteps:
             # The next forward runs while the caller takes these tokens (``generate_step``'s
             # step ahead): its input is known now.
             self._flight = self._launch() if self._num_generated < self._max_tokens else None
-        if first and self._prompt is not None:
-            if self._on_progress is not None:
-                self._on_progress(len(self._prompt), len(self._prompt))
-            self._prompt = None
+        if prompt is not None and self._on_progress is not None:
+            self._on_progress(len(prompt), len(prompt))  # as generate_step: after its first step
         return self._ready.popleft()
 
     def _launch(self) -> _Flight:
