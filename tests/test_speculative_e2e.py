@@ -10,12 +10,14 @@ import httpx
 import openai
 import pytest
 
-from bench.speculative import COPY
+from bench.speculative import TEXT
 from tests.conftest import ON_ENGINE_THREAD
 from tests.server_thread import ServerThread, model_id
 
 pytestmark = [pytest.mark.e2e, ON_ENGINE_THREAD]
 
+# bench.speculative's rewrite, of its first 80 words (its prompt's prefill is a third as long)
+COPY = f"Rewrite this text, changing only 'winter' to 'summer':\n\n{' '.join(TEXT.split()[:80])}"
 MESSAGES = [{"role": "user", "content": COPY}]
 LOOKUP = {"speculative": {"method": "prompt_lookup", "num_draft_tokens": 4}}
 MAX_TOKENS = 48
