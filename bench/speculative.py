@@ -25,6 +25,7 @@ import time
 
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.params import PreparedRequest, SamplingParams, Speculation
+from mlx_trio.engine.speculative.plan import DEFAULT_NUM_DRAFT_TOKENS
 
 TEXT = (
     "The harbor town woke slowly on winter mornings. Fishermen walked down to the boats before "
@@ -142,7 +143,8 @@ def verify_cost(args: argparse.Namespace) -> None:
         trim_prompt_cache(cache, n)
         return elapsed
 
-    sizes = (1, *range(2, args.num_draft_tokens + 2))
+    sizes = (1, *range(2, (args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS) + 2))
+    shape = "quick" if args.quick else args.shape
     for _ in range(3):  # warm every shape
         for n in sizes:
             forward(n)
@@ -154,7 +156,7 @@ def verify_cost(args: argparse.Namespace) -> None:
     for n in sizes:
         cost = statistics.median(times[n])
         print(
-            f"{args.shape} forward of {n} token(s) over {args.context}: {cost * 1e3:.2f} ms "
+            f"{shape} forward of {n} token(s) over {args.context}: {cost * 1e3:.2f} ms "
             f"= {cost / one:.2f}x one token's",
             flush=True,
         )
