@@ -3,9 +3,9 @@
 so the serial lane and the batch's solo row swap one for the other.
 
 A step feeds the row's pending token and the draft (:class:`NgramIndex`'s, or
-``ModelDrafter``'s) in one forward, samples
-every position with the row's own sampler, keeps the draft's tokens while they equal the
-samples, then the first sample that differs (or the one after the whole draft). For a greedy
+``ModelDrafter``'s) in one forward, samples every position with the row's own sampler, keeps
+the draft's tokens while they equal the samples, then the first sample that differs (or the one
+after the whole draft). For a greedy
 row that is the argmax chain; for a sampled row it is the standard rejection rule for a draft
 that puts all its mass on one token (accept it with the target's probability of it, else draw
 from the target without it), so the output keeps the target's distribution. The KV cache is
@@ -20,7 +20,6 @@ matcher would have to take and give back tokens a draft proposes: design/032).
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,8 +38,6 @@ from ..vocabulary.grammar import GrammarProcessor
 from ..vocabulary.sampling import with_history
 from .draft_model import ModelDrafter
 from .lookup import DraftCounts, NgramIndex
-
-logger = logging.getLogger(__name__)
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -72,7 +69,6 @@ class SpeculativeSteps:
         prompt: Sequence[int],
         *,
         caches: list[Any],
-        history: Sequence[int],
         max_tokens: int,
         num_draft_tokens: int,
         drafter: Drafter,
@@ -82,10 +78,10 @@ class SpeculativeSteps:
         on_progress: Callable[[int, int], None] | None = None,
         counts: DraftCounts | None = None,
     ) -> None:
-        """``prompt``: the tokens to feed on top of ``caches``, which hold ``history``;
-        ``logits_processors`` are handed the tokens from ``prompt`` on, as ``generate_step``
-        hands them (``with_history`` prepends the rest). ``counts``: where the drafts are
-        counted (a row's, kept across its runs)."""
+        """``prompt``: the tokens to feed on top of ``caches`` (``drafter`` has them, and the
+        tokens before); ``logits_processors`` are handed the tokens from ``prompt`` on, as
+        ``generate_step`` hands them (``with_history`` prepends the rest). ``counts``: where the
+        drafts are counted (a row's, kept across its runs)."""
         assert prompt, "a row steps from at least one token"
         self._model = model
         self._caches = caches
@@ -142,8 +138,8 @@ class SpeculativeSteps:
     def _launch(self) -> _Flight:
         """Start one forward over the pending token and a draft."""
         room = self._max_tokens - self._num_generated - 1  # the last token needs no draft
-        draft = self._drafter.draft(min(self._num_draft, room))
         with mx.stream(generation_stream):
+            draft = self._drafter.draft(min(self._num_draft, room))
             logits = self._model(mx.array([self._pending, *draft])[None], cache=self._caches)[0]
             logits = self._processed(logits, draft)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -254,7 +250,6 @@ def open_steps(
         model,
         prompt,
         caches=caches,
-        history=history,
         max_tokens=max_tokens,
         num_draft_tokens=speculation.num_draft_tokens,
         drafter=drafter,
