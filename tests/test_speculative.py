@@ -228,3 +228,16 @@ def test_asking_for_a_draft_model_the_engine_lacks_is_a_400(tiny_engine):
     params = SamplingParams(speculative=Speculation("draft_model"))
     with pytest.raises(InvalidRequestError, match=r"^speculative.method draft_model needs a "):
         tiny_engine.prepare(PROMPT, params)
+
+
+def test_a_draft_of_the_same_tokenizer_loads_and_one_of_another_is_refused(tmp_path):
+    model = families.save("llama", tmp_path / "model")
+    other = families.save("llama", tmp_path / "other")
+    tokenizer = byte_level_tokenizer(["ab"], SPECIALS, eos_token="<|im_end|>", merges=[("a", "b")])
+    tokenizer._tokenizer.save_pretrained(str(other))
+    engine = Engine.load(str(model), device="cpu", draft_model=str(model))
+    params = SamplingParams(temperature=0, max_tokens=12, speculative=Speculation("draft_model"))
+    _, stats = generate(engine, params)
+    assert stats.drafted_tokens > 0
+    with pytest.raises(UnsupportedModelError, match=rf"^--draft-model {other}: its tokenizer is "):
+        Engine.load(str(model), device="cpu", draft_model=str(other))
