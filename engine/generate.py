@@ -293,6 +293,15 @@ class Engine:
         self.can_speculate = self.caches.rewind and not self.caches.checkpoints
         if not self.can_speculate:
             logger.info("speculative decoding off: the model's caches cannot be trimmed back")
+        elif (default := resolve(None, speculation)) is not None:
+            logger.info(
+                "speculative decoding by default: %s, up to %d tokens a step%s",
+                default.method,
+                default.num_draft_tokens,
+                f", n-grams of {default.ngram_size} down to 2"
+                if default.method == "prompt_lookup"
+                else "",
+            )
         self.preparer = RequestPreparer(
             loaded.tokenizer, loaded.context_length, has_draft_model=draft is not None
         )
