@@ -136,30 +136,33 @@ def test_a_model_whose_caches_cannot_be_trimmed_steps_plain():
     assert stats.drafted_tokens == 0
 
 
+class BatchRun:
+    """A batch engine's rows' tokens and final stats, step by step."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.batch = BatchEngine(engine, max_batch=4)
+        self.tokens: dict[int, list[int]] = {}
+        self.stats: dict[int, GenerationStats] = {}
+
+    def step(self) -> None:
+        for event in self.batch.step():
+            if isinstance(event, RowOutput):
+                self.tokens.setdefault(event.row, []).extend(event.delta.token_ids)
+                if event.stats is not None:
+                    self.stats[event.row] = event.stats
+
+
 def test_the_batchs_lone_row_speculates_and_a_full_batch_equals_plain(tiny_engine):
     params = SamplingParams(temperature=0, max_tokens=40, speculative=LOOKUP)
     expected = tokens_of(generate(tiny_engine, replace(params, speculative=None))[0])
-    batch = BatchEngine(tiny_engine, max_batch=4)
-    rows = [batch.add(tiny_engine.prepare(PROMPT, params)) for _ in range(2)]
-    got: dict[int, list[int]] = {}
-    stats: dict[int, GenerationStats] = {}
-    while batch.num_rows:
-        for event in batch.step():
-            if isinstance(event, RowOutput):
-                got.setdefault(event.row, []).extend(event.delta.token_ids)
-                if event.stats is not None:
-                    stats[event.row] = event.stats
-    assert [got[r] for r in rows] == [expected, expected]
-    lone = BatchEngine(tiny_engine, max_batch=4)
-    row = lone.add(tiny_engine.prepare(PROMPT, params))
-    alone: list[int] = []
-    while lone.num_rows:
-        for event in lone.step():
-            if isinstance(event, RowOutput):
-                alone += event.delta.token_ids
-                if event.stats is not None:
-                    assert event.row == row and event.stats.accepted_tokens > 0
-    assert alone == expected
+    for num_rows in (2, 1):
+        run = BatchRun(tiny_engine)
+        rows = [run.batch.add(tiny_engine.prepare(PROMPT, params)) for _ in range(num_rows)]
+        while run.batch.num_rows:
+            run.step()
+        assert [run.tokens[r] for r in rows] == [expected] * num_rows
+        drafted = [run.stats[r].drafted_tokens for r in rows]
+        assert all(drafted) if num_rows == 1 else not any(drafted)
 
 
 def test_the_engines_default_speculates_and_a_request_can_turn_it_off(tiny_engine):
@@ -241,3 +244,20 @@ def test_a_draft_of_the_same_tokenizer_loads_and_one_of_another_is_refused(tmp_p
     assert stats.drafted_tokens > 0
     with pytest.raises(UnsupportedModelError, match=rf"^--draft-model {other}: its tokenizer is "):
         Engine.load(str(model), device="cpu", draft_model=str(other))
+
+
+def test_a_speculating_lone_row_joined_mid_draft_goes_back_to_the_batch_intact(tiny_engine):
+    """The lone row speculates; a second row arrives while it holds drafted tokens not yet
+    handed out, so it goes back into mlx-lm's batch with its KV trimmed to what it handed out."""
+    params = SamplingParams(temperature=0, max_tokens=60, speculative=LOOKUP)
+    expected = tokens_of(generate(tiny_engine, replace(params, speculative=None))[0])
+    run = BatchRun(tiny_engine)
+    first = run.batch.add(tiny_engine.prepare(PROMPT, params))
+    second = None
+    while run.batch.num_rows:
+        run.step()
+        if second is None and len(run.tokens.get(first, [])) >= 30:
+            second = run.batch.add(tiny_engine.prepare("in the beginning", params))
+    assert run.tokens[first] == expected
+    assert second is not None and run.stats[second].generated_tokens == 60
+    assert run.stats[first].accepted_tokens > 0
