@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from .batch.batch import DEFAULT_PREFILL_CHUNK, PREFILL_BATCH, BatchEngine
 from .budget import MemoryBudget, MemoryUsage
@@ -26,6 +27,9 @@ from .params import PreparedRequest
 from .ranks.distributed import AHEAD, STOP
 from .threads import ThreadChooser, shape
 from .vocabulary.sampling import repair_random_state
+
+if TYPE_CHECKING:
+    from .warmup import LaterWarmup
 
 SERIAL_ROW = 0
 # While rows come and go without the engine ever going idle, free pages are given back this
@@ -63,6 +67,8 @@ class EngineCore:
         # OpenBLAS's thread count, chosen per call from the calls' times (CPU only).
         self._threads = ThreadChooser.for_device(engine.loaded.device)
         self._serial_prefilled = False  # the serial run's first step (its prompt) is done
+        # The warm-up's runs left for the engine's idle time (``options.boot_core``).
+        self.later_warmup: LaterWarmup | None = None
 
     @property
     def num_rows(self) -> int:
@@ -184,6 +190,26 @@ class EngineCore:
         ran = batch.step_ahead()
         self._threads.end(1 if ran else 0)
         return ran
+
+    def idle_work(self) -> bool:
+        """What the engine does while no call waits, a piece at a time: a step of the next batch
+        call (:meth:`step_ahead`), else, with no row held, a run of the warm-up left for now;
+        whether it did any."""
+        if self.step_ahead():
+            return True
+        later = self.later_warmup
+        if later is None or self.num_rows:
+            return False
+        ran = later.run_next()
+        if later.finished:
+            self.later_warmup = None
+        return ran
+
+    @property
+    def idle_work_waiting(self) -> bool:
+        """Idle work is left that is not ready yet (its kernels still compiling elsewhere):
+        worth looking again after a while, with no call."""
+        return self.later_warmup is not None and self.later_warmup.waiting
 
     def _the_batch(self) -> BatchEngine:
         if self._batch is None:
