@@ -52,6 +52,7 @@ MODEL_GROUPS = ("chat", "long", "burst")
 # The groups whose runs an engine in a process of its own leaves for after it reports healthy
 # (``warmup.LaterWarmup``): long prompts' shapes, off the path to healthy.
 LATER_GROUPS = ("long", "burst")
+LATER_NICENESS = 10
 # A quantized model's 1-row prefills, one group each: each selects a tile of MLX's 4-bit matmul,
 # which compiles for about 38 s (design/008).
 TILE_GROUPS = ("tile-17", "tile-33")
@@ -263,6 +264,8 @@ def prime(
     """A primer process's main: compile ``group``'s kernels into ``scratch``, then publish them
     to ``cache``. Logs and returns on any failure: the engine compiles what is missing."""
     os.environ["MLX_PTX_CACHE_DIR"] = str(scratch)  # read by MLX at its first compile
+    if group in LATER_GROUPS:
+        os.nice(LATER_NICENESS)  # where cores run short, the kernels needed first go first
     logging.basicConfig(
         level=logging.WARNING,
         format=f"%(asctime)s %(levelname)s (kernel primer {group}): %(message)s",
