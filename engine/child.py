@@ -62,7 +62,7 @@ def serve_engine(
             # run the warm-up left for the idle time.
             while not connection.poll(0):
                 try:
-                    if not core.idle_work():
+                    if not core.idle_work(call_waits=lambda: connection.poll(0)):
                         break
                 except Exception:
                     logger.exception("idle work failed; the next call will see it")

@@ -15,7 +15,7 @@ sets it in MLX, and keeps the prompt cache within what the KV pool has left besi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from .batch.batch import DEFAULT_PREFILL_CHUNK, PREFILL_BATCH, BatchEngine
@@ -191,16 +191,16 @@ class EngineCore:
         self._threads.end(1 if ran else 0)
         return ran
 
-    def idle_work(self) -> bool:
+    def idle_work(self, call_waits: Callable[[], bool] | None = None) -> bool:
         """What the engine does while no call waits, a piece at a time: a step of the next batch
-        call (:meth:`step_ahead`), else, with no row held, a run of the warm-up left for now;
-        whether it did any."""
+        call (:meth:`step_ahead`), else, with no row held, a run of the warm-up left for now,
+        stopped between its steps once ``call_waits``; whether it did any."""
         if self.step_ahead():
             return True
         later = self.later_warmup
         if later is None or self.num_rows:
             return False
-        ran = later.run_next()
+        ran = later.run_next(stop=call_waits)
         if later.finished:
             self.later_warmup = None
         return ran

@@ -99,6 +99,10 @@ def batch_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
+class WarmupStopped(Exception):
+    """A warm-up run stopped between its steps, as its ``stop`` asked."""
+
+
 class WarmupRun(NamedTuple):
     """One planned warm-up run: ``rows`` requests of ``prompt_tokens`` each, ``new_tokens`` at
     most, on ``lane``."""
@@ -149,13 +153,15 @@ def warm_up(
     force: bool = False,
     only: Callable[[WarmupRun], bool] | None = None,
     before: Callable[[WarmupRun], object] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> WarmupReport:
     """Run the runtime's shapes once so MLX compiles their kernels now; on the calling thread.
 
     ``max_batch`` and ``prefill_chunk`` must be the runtime's (``ThreadedEngine``'s). On CPU it
     returns at once unless ``force`` (tests run the GPU pass on CPU that way). The prompt cache,
     if the engine has one, is switched off meanwhile so warm-up prompts never enter it. Leaves
-    nothing allocated but MLX's kernel caches; raises whatever a generation raises.
+    nothing allocated but MLX's kernel caches; raises whatever a generation raises, and
+    :class:`WarmupStopped` where ``stop`` (asked between a batch run's steps) says to.
     """
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     if on_cpu and not force:
@@ -185,7 +191,7 @@ def warm_up(
                     assert prompt_cache is not None
                     shapes.append(_cached(batch, engine, prompt_cache, run.rows, prefill_chunk))
                 else:
-                    shapes.append(_batch(batch, engine, *run, prefill_chunk))
+                    shapes.append(_batch(batch, engine, *run, prefill_chunk, stop))
         finally:
             batch.close()
     finally:
@@ -232,6 +238,7 @@ class LaterWarmup:
         )
         self._ready = ready
         self.shapes: list[WarmupShape] = []
+        self.stopped = 0  # runs stopped for a call, to be run again
 
     @property
     def finished(self) -> bool:
@@ -242,21 +249,31 @@ class LaterWarmup:
         """Runs are left, and none is ready."""
         return bool(self._pending) and not any(map(self._ready, self._pending))
 
-    def run_next(self) -> bool:
-        """Run the first run that is ready; whether one ran. A run that fails ends the rest
-        (they only ever save time): the runtime compiles what it meets."""
+    def run_next(self, stop: Callable[[], bool] | None = None) -> bool:
+        """Run the first run that is ready; whether one ran. ``stop`` (a call waits) is asked
+        between its steps: a run stopped is dropped, its rows freed, and tried again later
+        whole, so a call waits for one step at most. A run that fails ends the rest (they only
+        ever save time): the runtime compiles what it meets."""
         run = next((run for run in self._pending if self._ready(run)), None)
         if run is None:
             return False
-        self._pending.remove(run)
         try:
-            self.shapes += self._warm_up(only=lambda planned: planned == run).shapes
+            self.shapes += self._warm_up(only=lambda planned: planned == run, stop=stop).shapes
+            self._pending.remove(run)
+        except WarmupStopped:
+            self.stopped += 1
         except Exception:
             logger.exception("the warm-up's %s run after healthy failed; the rest are left", run)
             self._pending.clear()
         if self.finished:
             seconds = sum(shape.seconds for shape in self.shapes)
-            logger.info("warm-up after healthy: %d shapes in %.1f s", len(self.shapes), seconds)
+            logger.info(
+                "warm-up after healthy: %d shapes in %.1f s (%d runs stopped for a call, then run "
+                "again)",
+                len(self.shapes),
+                seconds,
+                self.stopped,
+            )
         return True
 
 
@@ -312,6 +329,7 @@ def _batch(
     prompt_tokens: int,
     new_tokens: int,
     prefill_chunk: int,
+    stop: Callable[[], bool] | None = None,
 ) -> WarmupShape:
     temperature = 1.0 if lane == "sampled" else 0.0
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens)
@@ -324,7 +342,7 @@ def _batch(
             length = prompt_tokens + (row + 1) * PAD_GRANULE
         prompts.append(_prompt(engine, length, row + 1))
     start = time.perf_counter()
-    _run(batch, prompts, params, prefill_chunk)
+    _run(batch, prompts, params, prefill_chunk, stop)
     return WarmupShape(lane, rows, prompt_tokens, new_tokens, time.perf_counter() - start)
 
 
@@ -333,8 +351,10 @@ def _run(
     prompts: list[tuple[int, ...]],
     params: SamplingParams,
     prefill_chunk: int,
+    stop: Callable[[], bool] | None = None,
 ) -> None:
-    """Add a request of each prompt and step the batch until every row has finished."""
+    """Add a request of each prompt and step the batch until every row has finished, or
+    ``stop`` says to between steps (:class:`WarmupStopped`; closing the batch frees its rows)."""
     for prompt in prompts:
         batch.add(PreparedRequest(prompt_tokens=prompt, params=params))
     # Each step decodes every generating row once and prefills a chunk of some rows (with a
@@ -344,5 +364,7 @@ def _run(
     for _ in range(max_steps):
         if batch.num_rows == 0:
             return
+        if stop is not None and stop():
+            raise WarmupStopped
         batch.step()
     raise EngineError(f"warm-up batch of {len(prompts)} rows did not finish in {max_steps} steps")

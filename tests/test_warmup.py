@@ -104,6 +104,8 @@ def test_the_warm_up_left_for_later_runs_a_run_at_a_time_once_its_kernels_are_re
     )
     assert later.waiting and not later.run_next()  # no primer has ended: nothing runs
     ready.add(257)
+    # A call that comes stops the run between its steps; it runs again, whole, later.
+    assert later.run_next(stop=lambda: True) and later.shapes == [] and later.stopped == 1
     assert later.run_next() and [(s.lane, s.prompt_tokens) for s in later.shapes] == [
         ("alone", 257)
     ]
