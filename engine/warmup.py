@@ -174,27 +174,27 @@ def warm_up(
         engine.prompt_cache = None
     shapes: list[WarmupShape] = []
     start = time.perf_counter()
+    batch: BatchEngine | None = None  # built after the serial run, as the runtime's is
     try:
-        batch = BatchEngine(
-            engine,
-            max_batch=max_batch,
-            prefill_chunk=prefill_chunk,
-            budget=getattr(engine, "token_budget", None),
-        )
-        try:
-            for run in runs:
-                if before is not None:
-                    before(run)
-                if run.lane == "serial":
-                    shapes.append(_serial(engine, run.prompt_tokens, run.new_tokens))
-                elif run.lane == "cached":
-                    assert prompt_cache is not None
-                    shapes.append(_cached(batch, engine, prompt_cache, run.rows, prefill_chunk))
-                else:
-                    shapes.append(_batch(batch, engine, *run, prefill_chunk, stop))
-        finally:
-            batch.close()
+        for run in runs:
+            if before is not None:
+                before(run)
+            if run.lane == "serial":
+                shapes.append(_serial(engine, run.prompt_tokens, run.new_tokens))
+                continue
+            if batch is None:
+                budget = getattr(engine, "token_budget", None)
+                batch = BatchEngine(
+                    engine, max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget
+                )
+            if run.lane == "cached":
+                assert prompt_cache is not None
+                shapes.append(_cached(batch, engine, prompt_cache, run.rows, prefill_chunk))
+            else:
+                shapes.append(_batch(batch, engine, *run, prefill_chunk, stop))
     finally:
+        if batch is not None:
+            batch.close()
         if prompt_cache is not None:
             engine.prompt_cache = prompt_cache
     report = WarmupReport("cpu" if on_cpu else "gpu", time.perf_counter() - start, tuple(shapes))
