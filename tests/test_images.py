@@ -1,0 +1,294 @@
+"""Images in (issue 41, design/031-images.md): a tiny random Qwen2-VL built in a folder, served by
+the real server, asked through the official SDKs. Its greedy text for an image is mlx-vlm's
+own; text requests to it still batch; images that cannot be used get a 400 naming the part;
+a text model refuses images; a reader that leaves frees the serial lane.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from mlx_trio.actors.config import RuntimeConfig
+from mlx_trio.api.http_state import HttpSettings
+from mlx_trio.api.images import ImageSettings
+from mlx_trio.api.server import ServeOptions
+from mlx_trio.engine.options import EngineOptions
+from tests.families import save
+from tests.server_thread import ServerThread, wait_for
+from tests.tiny_vlm import build, data_url, png
+
+QUESTION = "What is this?"
+MAX_TOKENS = 10
+
+
+def serve(model: Path, **http: object) -> ServerThread:
+    options = ServeOptions(
+        engine=EngineOptions(model=str(model), device="cpu", engine_process=False),
+        runtime=RuntimeConfig(max_batch=8),
+        http=HttpSettings(**http),  # type: ignore[arg-type]
+    )
+    return ServerThread(options)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("models") / "tiny-vlm")
+
+
+@pytest.fixture(scope="module")
+def server(vlm_dir: Path):
+    # URLs allowed: a private address is still refused.
+    with serve(vlm_dir, images=ImageSettings(allow_urls=True, max_pixels=4096 * 4096)) as running:
+        running.wait_healthy()
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def image_chat(client: openai.OpenAI, url: str) -> str:
+    reply = client.chat.completions.create(
+        model="tiny-vlm",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    return reply.choices[0].message.content or ""
+
+
+def mlx_vlm_text(model_dir: Path, image: bytes) -> str:
+    """mlx-vlm's own greedy text for the image and the question, its prompt rendered by the
+    checkpoint's template as the server renders it."""
+    import mlx_vlm
+
+    model, processor = mlx_vlm.load(str(model_dir))
+    message = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
+    prompt = processor.tokenizer.apply_chat_template(
+        [message], add_generation_prompt=True, tokenize=False
+    )
+    picture = Image.open(io.BytesIO(image))
+    result = mlx_vlm.generate(
+        model, processor, prompt, image=[picture], max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    return result.text
+
+
+def stats(server: ServerThread) -> dict:
+    return httpx.get(f"{server.url}/v1/stats").json()
+
+
+def test_an_image_request_answers_as_mlx_vlm_does_and_the_image_matters(server, client, vlm_dir):
+    first, second = png(112, 84, seed=1), png(112, 84, seed=2)
+    text = image_chat(client, data_url(first))
+    assert text == mlx_vlm_text(vlm_dir, first)
+    assert text != image_chat(client, data_url(second))  # the image changes the answer
+    assert text == image_chat(client, data_url(first))
+
+
+def test_the_messages_and_responses_apis_take_the_same_image(server, client):
+    image = png(112, 84, seed=1)
+    expected = image_chat(client, data_url(image))
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    message = claude.messages.create(
+        model="tiny-vlm",
+        max_tokens=MAX_TOKENS,
+        extra_body={"temperature": 0},
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(image).decode(),
+                        },
+                    },
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+    )
+    assert "".join(b.text for b in message.content if b.type == "text") == expected
+    response = client.responses.create(
+        model="tiny-vlm",
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(image), "detail": "auto"},
+                    {"type": "input_text", "text": QUESTION},
+                ],
+            }
+        ],
+    )
+    assert response.output_text == expected
+
+
+def test_text_requests_to_a_vision_model_still_batch_and_images_take_the_serial_lane(
+    server, client
+):
+    before = stats(server)
+    for _ in range(3):
+        image_chat(client, data_url(png(112, 84, seed=3)))
+    middle = stats(server)
+    assert middle["media"]["requests"] == before["media"]["requests"] + 3
+    assert middle["media"]["images"] == before["media"]["images"] + 3
+    assert middle["media"]["pixels"] == before["media"]["pixels"] + 3 * 112 * 84
+    assert middle["rows_submitted"]["serial"] == before["rows_submitted"]["serial"] + 3
+    texts = [
+        client.chat.completions.create(
+            model="tiny-vlm",
+            messages=[{"role": "user", "content": f"Say {i}"}],
+            max_tokens=6,
+            temperature=0,
+        )
+        for i in range(4)
+    ]
+    assert all(t.choices[0].message.content for t in texts)
+    after = stats(server)
+    assert after["rows_submitted"]["batch"] == middle["rows_submitted"]["batch"] + 4
+    assert after["rows_submitted"]["serial"] == middle["rows_submitted"]["serial"]
+
+
+def huge_png() -> bytes:
+    """5000 x 5000 pixels (over 4096 x 4096) in a few kilobytes."""
+    out = io.BytesIO()
+    Image.new("1", (5000, 5000)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def truncated_png() -> bytes:
+    whole = png(112, 84, seed=4)
+    return whole[: len(whole) // 2]  # a header that opens, pixels that do not decode
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        (data_url(huge_png()), "5000x5000 (25000000 pixels), over this server's limit"),
+        (data_url(truncated_png()), "could not be decoded"),
+        (data_url(b"hello", "text/plain"), "type is text/plain, not image/*"),
+        (data_url(b"not a picture at all"), "not an image"),
+        ("http://127.0.0.1:9/cat.png", "private or local address"),
+        ("http://[::1]:9/cat.png", "private or local address"),
+        ("ftp://example.com/cat.png", "data: URL or http(s)"),
+    ],
+)
+def test_an_image_that_cannot_be_used_is_a_400_naming_the_part(server, client, url, says):
+    before = stats(server)
+    with pytest.raises(openai.BadRequestError) as caught:
+        image_chat(client, url)
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "messages.[0].content.[0]"
+    assert error["message"].startswith("messages.[0].content.[0]: ")
+    assert says in error["message"]
+    after = stats(server)  # nothing admitted, nothing held
+    assert after["live_sessions"] == 0
+    assert after["media"] == before["media"]
+
+
+def test_a_bad_image_block_is_an_anthropic_400_naming_the_block(server):
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(
+            model="tiny-vlm",
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": QUESTION},
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "@@"},
+                        },
+                    ],
+                }
+            ],
+        )
+    body = caught.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith("messages.[0].content.[1]: ")
+
+
+def test_a_reader_that_leaves_an_image_request_frees_the_serial_lane(server, client):
+    image = data_url(png(112, 84, seed=5))
+    before = stats(server)
+    body = {
+        "model": "tiny-vlm",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}
+        ],
+        "max_tokens": 200,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+    # It ended (cancelled consumer_closed, or completed first), and nothing is held.
+    wait_for(lambda: stats(server)["live_sessions"] == 0, 30, "the session's end")
+    after = stats(server)
+    ended = after["completed"] + sum(after["cancelled"].values())
+    assert ended == before["completed"] + sum(before["cancelled"].values()) + 1
+    assert after["lane_mode"] == "idle" and after["kv_bytes"] == 0
+    first = png(112, 84, seed=1)
+    assert image_chat(client, data_url(first)) == image_chat(client, data_url(first))
+
+
+@pytest.fixture(scope="module")
+def text_server(tmp_path_factory: pytest.TempPathFactory):
+    model = save("llama", tmp_path_factory.mktemp("models") / "tiny-llama")
+    with serve(model) as running:  # image URLs off: the default
+        running.wait_healthy()
+        yield running
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        (data_url(png(32, 32)), "this model takes no images"),
+        ("https://example.com/cat.png", "without --allow-image-urls"),
+    ],
+)
+def test_a_text_model_or_a_server_without_urls_refuses_the_part(text_server, url, says):
+    client = openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": QUESTION},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ],
+            max_tokens=4,
+        )
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "messages.[0].content.[1]"
+    assert says in error["message"]
