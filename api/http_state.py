@@ -61,7 +61,8 @@ class AppState:
 
     async def load_images(self, refs: Callable[[], Sequence[ImageRef]]) -> dict[str, ImageInput]:
         """The bytes of the image parts ``refs()`` names, by part path (``api/images.py``);
-        raises ``HttpError`` 400 naming the part that cannot be had."""
+        raises ``HttpError`` 400 naming the part that cannot be had. If cancelled, nothing
+        is kept."""
         try:
             found = refs()
             return await ImageLoader(self.settings.images).load(found) if found else {}

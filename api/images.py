@@ -99,6 +99,7 @@ class ImageLoader:
         return {ref.where: await self.load_one(ref) for ref in refs}
 
     async def load_one(self, ref: ImageRef) -> ImageInput:
+        """One part's bytes; raises ``ImageError``. If cancelled, a fetch is abandoned."""
         scheme = ref.url.split(":", 1)[0].lower()
         if scheme == "data":
             data = self._from_data_url(ref)
@@ -110,7 +111,7 @@ class ImageLoader:
 
     def _from_data_url(self, ref: ImageRef) -> bytes:
         header, comma, payload = ref.url.partition(",")
-        kind = header.removeprefix("data:").removeprefix("DATA:")
+        kind = header[len("data:") :]
         mime = kind.split(";", 1)[0].strip().lower()
         if not comma or not kind.endswith(";base64"):
             raise ImageError(ref.where, "a data URL must be base64: data:image/png;base64,...")

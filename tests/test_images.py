@@ -74,19 +74,21 @@ def image_chat(client: openai.OpenAI, url: str) -> str:
     return reply.choices[0].message.content or ""
 
 
-def mlx_vlm_text(model_dir: Path, image: bytes) -> str:
-    """mlx-vlm's own greedy text for the image and the question, its prompt rendered by the
-    checkpoint's template as the server renders it."""
+def mlx_vlm_text(model_dir: Path, *parts: str | bytes) -> str:
+    """mlx-vlm's own greedy text for a user message of ``parts`` (text, or an image's bytes),
+    its prompt rendered by the checkpoint's template as the server renders it."""
     import mlx_vlm
 
     model, processor = mlx_vlm.load(str(model_dir))
-    message = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
+    ]
     prompt = processor.tokenizer.apply_chat_template(
-        [message], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
-    picture = Image.open(io.BytesIO(image))
+    pictures = [Image.open(io.BytesIO(p)) for p in parts if isinstance(p, bytes)]
     result = mlx_vlm.generate(
-        model, processor, prompt, image=[picture], max_tokens=MAX_TOKENS, temperature=0.0
+        model, processor, prompt, image=pictures, max_tokens=MAX_TOKENS, temperature=0.0
     )
     return result.text
 
@@ -98,9 +100,32 @@ def stats(server: ServerThread) -> dict:
 def test_an_image_request_answers_as_mlx_vlm_does_and_the_image_matters(server, client, vlm_dir):
     first, second = png(112, 84, seed=1), png(112, 84, seed=2)
     text = image_chat(client, data_url(first))
-    assert text == mlx_vlm_text(vlm_dir, first)
+    assert text == mlx_vlm_text(vlm_dir, first, QUESTION)
     assert text != image_chat(client, data_url(second))  # the image changes the answer
     assert text == image_chat(client, data_url(first))
+
+
+def test_two_images_between_text_answer_as_mlx_vlm_does(server, client, vlm_dir):
+    first, second = png(112, 84, seed=1), png(60, 90, seed=2)
+    reply = client.chat.completions.create(
+        model="tiny-vlm",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(first)}},
+                    {"type": "text", "text": "Compare this "},
+                    {"type": "image_url", "image_url": {"url": data_url(second)}},
+                    {"type": "text", "text": "with that."},
+                ],
+            }
+        ],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    expected = mlx_vlm_text(vlm_dir, first, "Compare this ", second, "with that.")
+    assert reply.choices[0].message.content == expected
+    assert reply.usage is not None and reply.usage.prompt_tokens > 2 * 4  # both images' tokens
 
 
 def test_the_messages_and_responses_apis_take_the_same_image(server, client):
