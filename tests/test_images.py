@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 from pathlib import Path
 
 import anthropic
@@ -169,6 +170,13 @@ def test_the_messages_and_responses_apis_take_the_same_image(server, client):
         ],
     )
     assert response.output_text == expected
+
+
+def test_the_request_log_line_says_its_images_and_pixels(server, client, caplog):
+    caplog.set_level(logging.INFO, logger="mlx_trio.http")
+    image_chat(client, data_url(png(112, 84, seed=6)))
+    lines = [r.getMessage() for r in caplog.records if "status=200" in r.getMessage()]
+    assert len(lines) == 1 and " images=1 pixels=9408 " in lines[0]
 
 
 def test_text_requests_to_a_vision_model_still_batch_and_images_take_the_serial_lane(
