@@ -84,6 +84,32 @@ class Generation:
         self._decoder = RowDecoder(
             engine.tokenizer, request.params, num_prompt_tokens=len(request.prompt_tokens)
         )
+        # A prompt with images: its KV, and its prefill from the embeddings a chunk at a time.
+        self._image_kv: list[Any] = []
+        self._image_prefill: Iterator[int] | None = None
+        if request.images is not None:
+            if engine.vision is None:
+                raise InvalidRequestError("this model takes no images", param="prompt")
+            self._image_kv = engine.new_caches()
+            self._image_prefill = prefill_with_images(
+                engine.vision,
+                list(request.prompt_tokens),
+                request.images,
+                self._image_kv,
+                step=engine.prefill_step_size,
+                on_progress=on_progress,
+            )
+
+    def prefill_step(self) -> bool:
+        """Prefill the next chunk of a prompt with images, before any token: one chunk a call,
+        so that a run can be stopped between them. False when no chunk is left (always, for
+        a text prompt, which ``__iter__`` prefills with its first token)."""
+        if self._image_prefill is None:
+            return False
+        if next(self._image_prefill, None) is None:
+            self._image_prefill = None
+            return False
+        return True
 
     def __iter__(self) -> Iterator[Delta]:
         params = self._request.params
@@ -93,16 +119,13 @@ class Generation:
         prompt_cache = self._engine.prompt_cache if images is None else None
         salt = self._request.cache_partition
         hit = prompt_cache.take(prompt, salt) if prompt_cache is not None else None
-        kv = hit.cache if hit is not None else self._engine.new_caches()
+        kv = hit.cache if hit is not None else self._image_kv or self._engine.new_caches()
         skip = hit.num_tokens if hit is not None else 0
         self._decoder.num_cached_tokens = skip
         on_progress = self._on_progress
         if images is not None:
-            vision = self._engine.vision
-            if vision is None:
-                raise InvalidRequestError("this model takes no images", param="prompt")
-            step = self._engine.prefill_step_size
-            prefill_with_images(vision, prompt, images, kv, step=step, on_progress=on_progress)
+            while self.prefill_step():  # what prefill_step calls have not done yet
+                pass
             on_progress = _offset_progress(on_progress, len(prompt) - 1)
             skip = len(prompt) - 1
         elif (

@@ -21,7 +21,14 @@ from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.api.http_state import HttpSettings
 from mlx_trio.api.images import ImageSettings
 from mlx_trio.api.server import ServeOptions
+from mlx_trio.engine.core import SERIAL_ROW, EngineCore
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.model.loader import load_model
 from mlx_trio.engine.options import EngineOptions
+from mlx_trio.engine.outputs import RowOutput, RowProgress
+from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.vocabulary.images import ImageInput
+from mlx_trio.engine.vocabulary.prompt import ChatMessage, PlacedImage
 from tests.families import save
 from tests.server_thread import ServerThread, wait_for
 from tests.tiny_vlm import build, data_url, png
@@ -289,6 +296,30 @@ def test_a_reader_that_leaves_an_image_request_frees_the_serial_lane(server, cli
     assert after["lane_mode"] == "idle" and after["kv_bytes"] == 0
     first = png(112, 84, seed=1)
     assert image_chat(client, data_url(first)) == image_chat(client, data_url(first))
+
+
+def test_an_image_prompt_prefills_a_chunk_a_call_and_stops_between_them(vlm_dir):
+    """The serial lane sees a reader who left between engine calls: an image prompt's prefill
+    is a call a chunk, and a run stopped mid-prefill holds nothing and spoils no later run."""
+    engine = Engine(load_model(str(vlm_dir), device="cpu"), prefill_step_size=8)
+    core = EngineCore(engine, max_batch=2)
+    image = ImageInput(png(112, 84, seed=1), "messages.[0].content.[0]", 4096 * 4096)
+    message = ChatMessage("user", QUESTION, images=(PlacedImage(0, image),))
+    request = engine.prepare([message], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    assert len(request.prompt_tokens) > 3 * 8
+    core.serial_start(request)
+    first = core.serial_step()
+    assert first == [RowProgress(SERIAL_ROW, 8, len(request.prompt_tokens))]  # no token yet
+    core.serial_stop()
+    assert core.num_rows == 0
+    core.serial_start(request)
+    events: list = []
+    while not any(isinstance(e, RowOutput) and e.delta.finish_reason for e in events):
+        events += core.serial_step()
+    done = [e.done for e in events if isinstance(e, RowProgress)]
+    assert done[:3] == [8, 16, 24] and done == sorted(done)
+    text = "".join(e.delta.text for e in events if isinstance(e, RowOutput))
+    assert text == mlx_vlm_text(vlm_dir, png(112, 84, seed=1), QUESTION)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,10 +141,11 @@ def prefill_with_images(
     *,
     step: int,
     on_progress: Callable[[int, int], None] | None,
-) -> None:
+) -> Iterator[int]:
     """Prefill ``kv`` with a prompt's ``tokens`` but the last, from the embeddings the whole
-    model makes of its tokens and ``images``, in chunks of ``step`` tokens; the last token
-    then decodes through :class:`LanguageModelOnly` at its index."""
+    model makes of its tokens and ``images``, in chunks of ``step`` tokens, yielding the
+    tokens done after each (lazy: nothing runs until iterated; closed early, it stops between
+    chunks). The last token then decodes through :class:`LanguageModelOnly` at its index."""
     model = parts.model
     ids = mx.array(tokens)[None]
     arrays = {k: mx.array(v) for k, v in images.arrays.items()}
@@ -164,3 +165,4 @@ def prefill_with_images(
         mx.eval([c.state for c in kv])
         if on_progress is not None:
             on_progress(end, total)
+        yield end
