@@ -78,9 +78,14 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """Tokens in and out; ``images`` and ``image_pixels``: what a prompt's images were (as
+    sent, before the model's processor resized them)."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    images: int = 0
+    image_pixels: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -278,10 +278,13 @@ class Session:
         self.done.set()
 
     def _usage(self, cached: int = 0) -> Usage:
+        images = self.request.images
         return Usage(
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=self._num_generated,
             cached_tokens=cached,
+            images=0 if images is None else images.num_images,
+            image_pixels=0 if images is None else images.num_pixels,
         )
 
     def _timings(self) -> Timings:

@@ -55,7 +55,8 @@ class Api:
                 param="messages",
             )
         body = checked(parse(ChatCompletionRequest, data))
-        return await self._generate(request, "chat", body, 1, lambda: [body.chat()])
+        images = await self.state.load_images(body.image_refs)
+        return await self._generate(request, "chat", body, 1, lambda: [body.chat(images)])
 
     async def completions(self, request: Request) -> Response:
         body = checked(parse(CompletionRequest, await self._read(request)))

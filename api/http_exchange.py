@@ -110,14 +110,16 @@ class Exchange:
         completed = [o.timings for o in done if isinstance(o, Completed)]
         first = min(completed, key=lambda t: t.ttft_s or float("inf"), default=None)
         summary = ",".join(describe(o) for o in done)
+        images = f" images={usage.images} pixels={usage.image_pixels}" if usage.images else ""
         logger.info(
-            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
+            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d%s ttft=%s "
             "queued=%s prefill=%s decode=%s total=%.3fs",
             self.request_id,
             status,
             summary,
             usage.prompt_tokens,
             usage.completion_tokens,
+            images,
             seconds(first and first.ttft_s),
             seconds(first and first.queued_s),
             seconds(first and first.prefill_s),

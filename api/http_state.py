@@ -6,10 +6,15 @@ loaded, the requests running by id, the metrics registry).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..actors.config import RuntimeStatistics
+from ..engine.errors import InvalidRequestError
+from ..engine.vocabulary.images import ImageInput
 from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults, Source, built_in
+from .http_errors import refusal_error
+from .images import ImageLoader, ImageRef, ImageSettings
 from .inprocess import RuntimeHandle, SessionHandle
 from .metrics import Metrics
 
@@ -33,6 +38,7 @@ class HttpSettings:
     sampling: SamplingDefaults = NO_DEFAULTS  # serve's flags: over the model's defaults
     request_timeout_s: float | None = None
     body_timeout_s: float = 30.0
+    images: ImageSettings = field(default_factory=ImageSettings)  # image parts' limits, URLs
 
 
 @dataclass
@@ -52,6 +58,16 @@ class AppState:
     def model_names(self, rt: RuntimeHandle) -> tuple[str, ...]:
         """The names requests may give the model, the first the one it is listed by."""
         return self.settings.served_model_names or (rt.model_id,)
+
+    async def load_images(self, refs: Callable[[], Sequence[ImageRef]]) -> dict[str, ImageInput]:
+        """The bytes of the image parts ``refs()`` names, by part path (``api/images.py``);
+        raises ``HttpError`` 400 naming the part that cannot be had. If cancelled, nothing
+        is kept."""
+        try:
+            found = refs()
+            return await ImageLoader(self.settings.images).load(found) if found else {}
+        except InvalidRequestError as exc:
+            raise refusal_error(exc) from None
 
     def statistics(self) -> RuntimeStatistics | None:
         return self.runtime.statistics() if self.runtime else None

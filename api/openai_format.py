@@ -42,6 +42,8 @@ def sum_usage(usages: list[Usage | None], *, choices_per_prompt: int) -> Usage:
         prompt_tokens=sum(u.prompt_tokens for u in prompts if u is not None),
         completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
         cached_tokens=sum(u.cached_tokens for u in prompts if u is not None),
+        images=sum(u.images for u in prompts if u is not None),
+        image_pixels=sum(u.image_pixels for u in prompts if u is not None),
     )
 
 
