@@ -26,8 +26,6 @@ from .options import CoreRecipe, boot_core
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.1  # how often idle work that is not ready yet is looked at again
-
 
 def serve_engine(
     connection: Connection,
@@ -58,17 +56,14 @@ def serve_engine(
     _send(connection, Reply(started, None, EngineState.of(core)))
     try:
         while True:
-            # While no call waits, step the batch ahead of its next call, a step at a time, or
-            # run the warm-up left for the idle time.
+            # While no call waits, step the batch ahead of its next call, a step at a time.
             while not connection.poll(0):
                 try:
-                    if not core.idle_work(call_waits=lambda: connection.poll(0)):
+                    if not core.step_ahead():
                         break
                 except Exception:
-                    logger.exception("idle work failed; the next call will see it")
+                    logger.exception("stepping ahead failed; the next call will see it")
                     break
-            if core.idle_work_waiting and not connection.poll(IDLE_POLL_S):
-                continue  # what the idle work waits for may be ready now
             try:
                 call = connection.recv()
             except EOFError:

@@ -15,8 +15,7 @@ sets it in MLX, and keeps the prompt cache within what the KV pool has left besi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
 
 from .batch.batch import DEFAULT_PREFILL_CHUNK, PREFILL_BATCH, BatchEngine
 from .budget import MemoryBudget, MemoryUsage
@@ -27,9 +26,6 @@ from .params import PreparedRequest
 from .ranks.distributed import AHEAD, STOP
 from .threads import ThreadChooser, shape
 from .vocabulary.sampling import repair_random_state
-
-if TYPE_CHECKING:
-    from .warmup import LaterWarmup
 
 SERIAL_ROW = 0
 # While rows come and go without the engine ever going idle, free pages are given back this
@@ -67,8 +63,6 @@ class EngineCore:
         # OpenBLAS's thread count, chosen per call from the calls' times (CPU only).
         self._threads = ThreadChooser.for_device(engine.loaded.device)
         self._serial_prefilled = False  # the serial run's first step (its prompt) is done
-        # The warm-up's runs left for the engine's idle time (``options.boot_core``).
-        self.later_warmup: LaterWarmup | None = None
 
     @property
     def num_rows(self) -> int:
@@ -193,26 +187,6 @@ class EngineCore:
         ran = batch.step_ahead()
         self._threads.end(1 if ran else 0)
         return ran
-
-    def idle_work(self, call_waits: Callable[[], bool] | None = None) -> bool:
-        """What the engine does while no call waits, a piece at a time: a step of the next batch
-        call (:meth:`step_ahead`), else, with no row held, a run of the warm-up left for now,
-        stopped between its steps once ``call_waits``; whether it did any."""
-        if self.step_ahead():
-            return True
-        later = self.later_warmup
-        if later is None or self.num_rows:
-            return False
-        ran = later.run_next(stop=call_waits)
-        if later.finished:
-            self.later_warmup = None
-        return ran
-
-    @property
-    def idle_work_waiting(self) -> bool:
-        """Idle work is left that is not ready yet (its kernels still compiling elsewhere):
-        worth looking again after a while, with no call."""
-        return self.later_warmup is not None and self.later_warmup.waiting
 
     def _the_batch(self) -> BatchEngine:
         if self._batch is None:

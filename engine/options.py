@@ -138,15 +138,12 @@ class CoreRecipe:
     """What :func:`boot_core` builds, as a thread, a child process or a rank receives it:
     ``build`` makes the engine (``EngineOptions.loader()``, or a test's tiny one; picklable for
     a process), its core batches up to ``max_batch`` rows, and ``warm_up`` runs its shapes, once
-    ``kernels`` (the kernel primers compiling them meanwhile, ``engine/primers.py``) are done.
-    ``warm_later``: long prompts' shapes wait for after the engine reports healthy, run in its
-    idle time (``warmup.LaterWarmup``; an engine process's loop runs them, ``engine/child.py``)."""
+    ``kernels`` (the kernel primers compiling them meanwhile, ``engine/primers.py``) are done."""
 
     build: Callable[[], Engine]
     max_batch: int
     warm_up: bool = True
     kernels: PrimersDone | None = None
-    warm_later: bool = False
 
 
 def boot_core(recipe: CoreRecipe) -> tuple[EngineCore, EngineStarted]:
@@ -155,35 +152,19 @@ def boot_core(recipe: CoreRecipe) -> tuple[EngineCore, EngineStarted]:
     engine port learns from it first. Raises what loading the model raises."""
     from .calls import EngineStarted
     from .core import EngineCore
-    from .primers import LATER_GROUPS, group_of
-    from .warmup import LaterWarmup, WarmupRun, all_runs, warm_up
+    from .warmup import warm_up
 
     engine = recipe.build()
     core = EngineCore(engine, max_batch=recipe.max_batch)
     core.batch_reset()
     report = None
     if recipe.warm_up:
-        kernels, quantized = recipe.kernels, engine.loaded.is_quantized
-
-        def later(run: WarmupRun) -> bool:
-            return recipe.warm_later and group_of(run, quantized=quantized) in LATER_GROUPS
-
         report = warm_up(
             engine,
             max_batch=recipe.max_batch,
             prefill_chunk=core.prefill_chunk,
-            only=lambda run: not later(run),
-            before=None if kernels is None else kernels.before_run(quantized=quantized),
+            before=None
+            if recipe.kernels is None
+            else recipe.kernels.before_run(quantized=engine.loaded.is_quantized),
         )
-        runs = all_runs(engine, max_batch=recipe.max_batch, prefill_chunk=core.prefill_chunk)
-        if report.device == "gpu" and (left := [run for run in runs if later(run)]):
-            core.later_warmup = LaterWarmup(
-                engine,
-                left,
-                max_batch=recipe.max_batch,
-                prefill_chunk=core.prefill_chunk,
-                ready=lambda run: (
-                    kernels is None or kernels.ended(group_of(run, quantized=quantized))
-                ),
-            )
     return core, EngineStarted.of(core, report)

@@ -49,10 +49,6 @@ SAMPLER = "sampler"
 # The model's groups: every warm-up run but the sampled lane's belongs to one (``group_of``),
 # each a chain of kernels that compile one after another (a primer per chain).
 MODEL_GROUPS = ("chat", "long", "burst")
-# The groups whose runs an engine in a process of its own leaves for after it reports healthy
-# (``warmup.LaterWarmup``): long prompts' shapes, off the path to healthy.
-LATER_GROUPS = ("long", "burst")
-LATER_NICENESS = 10
 # A quantized model's 1-row prefills, one group each: each selects a tile of MLX's 4-bit matmul,
 # which compiles for about 38 s (design/008).
 TILE_GROUPS = ("tile-17", "tile-33")
@@ -162,15 +158,6 @@ class PrimersDone:
             logger.info("waited %.1f s for kernel primers %s", waited, ", ".join(groups or ()))
         return waited
 
-    def ended(self, group: str) -> bool:
-        """Whether ``group``'s primer has ended (or never started, or the deadline is past);
-        without waiting."""
-        return (
-            group not in self.groups
-            or time.time() >= self.deadline
-            or (self.directory / f"{group}.done").exists()
-        )
-
     def before_run(self, quantized: bool) -> Callable[[Any], None]:
         """What the engine's warm-up calls before each run: wait for that run's primer."""
         return lambda run: self.wait([group_of(run, quantized=quantized)])
@@ -264,8 +251,6 @@ def prime(
     """A primer process's main: compile ``group``'s kernels into ``scratch``, then publish them
     to ``cache``. Logs and returns on any failure: the engine compiles what is missing."""
     os.environ["MLX_PTX_CACHE_DIR"] = str(scratch)  # read by MLX at its first compile
-    if group in LATER_GROUPS:
-        os.nice(LATER_NICENESS)  # where cores run short, the kernels needed first go first
     logging.basicConfig(
         level=logging.WARNING,
         format=f"%(asctime)s %(levelname)s (kernel primer {group}): %(message)s",

@@ -20,8 +20,7 @@ Compiled kernels are kept for the process and on disk (``MLX_PTX_CACHE_DIR``, by
 55 s (bfloat16) and 18 s instead of 97 s (4-bit) for a Llama-3.2-1B shape (design/008-gpu.md).
 Where the cache is cold, kernel primers compile them in other processes meanwhile
 (``engine/primers.py``): ``only`` runs a primer's share of the plan, ``before`` waits for the
-primer of each run. An engine in a process of its own leaves the long prompts' shapes for after
-it reports healthy (:class:`LaterWarmup`): their primers compile off the path to healthy.
+primer of each run.
 
 On CPU nothing is compiled per shape (a fresh process's first 2-token generation of the default
 model took 0.61 s, the next ones 0.50 s and 0.80 s), so there it returns at once.
@@ -29,7 +28,6 @@ model took 0.61 s, the next ones 0.50 s and 0.80 s), so there it returns at once
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -99,10 +97,6 @@ def batch_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-class WarmupStopped(Exception):
-    """A warm-up run stopped between its steps, as its ``stop`` asked."""
-
-
 class WarmupRun(NamedTuple):
     """One planned warm-up run: ``rows`` requests of ``prompt_tokens`` each, ``new_tokens`` at
     most, on ``lane``."""
@@ -153,128 +147,51 @@ def warm_up(
     force: bool = False,
     only: Callable[[WarmupRun], bool] | None = None,
     before: Callable[[WarmupRun], object] | None = None,
-    stop: Callable[[], bool] | None = None,
 ) -> WarmupReport:
     """Run the runtime's shapes once so MLX compiles their kernels now; on the calling thread.
 
     ``max_batch`` and ``prefill_chunk`` must be the runtime's (``ThreadedEngine``'s). On CPU it
     returns at once unless ``force`` (tests run the GPU pass on CPU that way). The prompt cache,
     if the engine has one, is switched off meanwhile so warm-up prompts never enter it. Leaves
-    nothing allocated but MLX's kernel caches; raises whatever a generation raises, and
-    :class:`WarmupStopped` where ``stop`` (asked between a batch run's steps) says to.
+    nothing allocated but MLX's kernel caches; raises whatever a generation raises.
     """
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     if on_cpu and not force:
         logger.info("warm-up skipped on cpu: MLX compiles no kernels per shape there")
         return WarmupReport("cpu", 0.0, ())
-    runs = all_runs(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
-    runs = [run for run in runs if only is None or only(run)]
     prompt_cache = getattr(engine, "prompt_cache", None)
     if prompt_cache is not None:
         engine.prompt_cache = None
     shapes: list[WarmupShape] = []
     start = time.perf_counter()
-    batch: BatchEngine | None = None  # built after the serial run, as the runtime's is
+
+    def wanted(run: WarmupRun) -> bool:
+        if only is not None and not only(run):
+            return False
+        if before is not None:
+            before(run)
+        return True
+
     try:
-        for run in runs:
-            if before is not None:
-                before(run)
-            if run.lane == "serial":
-                shapes.append(_serial(engine, run.prompt_tokens, run.new_tokens))
-                continue
-            if batch is None:
-                budget = getattr(engine, "token_budget", None)
-                batch = BatchEngine(
-                    engine, max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget
-                )
-            if run.lane == "cached":
-                assert prompt_cache is not None
-                shapes.append(_cached(batch, engine, prompt_cache, run.rows, prefill_chunk))
-            else:
-                shapes.append(_batch(batch, engine, *run, prefill_chunk, stop))
-    finally:
-        if batch is not None:
+        if wanted(WarmupRun("serial", 1, SHORT_PROMPT, SERIAL_NEW_TOKENS)):
+            shapes.append(_serial(engine, SHORT_PROMPT, SERIAL_NEW_TOKENS))
+        budget = getattr(engine, "token_budget", None)
+        batch = BatchEngine(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget)
+        try:
+            for run in plan(max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget):
+                if wanted(run):
+                    shapes.append(_batch(batch, engine, *run, prefill_chunk))
+            cached = WarmupRun("cached", min(PREFILL_GROUP, max_batch), CHAT_PROMPT, 2)
+            if prompt_cache is not None and wanted(cached):
+                shapes.append(_cached(batch, engine, prompt_cache, cached.rows, prefill_chunk))
+        finally:
             batch.close()
+    finally:
         if prompt_cache is not None:
             engine.prompt_cache = prompt_cache
     report = WarmupReport("cpu" if on_cpu else "gpu", time.perf_counter() - start, tuple(shapes))
-    if runs:
-        logger.info("%s", report.describe())
+    logger.info("%s", report.describe())
     return report
-
-
-def all_runs(engine: Engine, *, max_batch: int, prefill_chunk: int) -> list[WarmupRun]:
-    """Every run of ``engine``'s warm-up, in order: a serial generation, :func:`plan`'s batch
-    runs, and where the engine has a prompt cache a second chat burst from its hits."""
-    runs = [WarmupRun("serial", 1, SHORT_PROMPT, SERIAL_NEW_TOKENS)]
-    budget = getattr(engine, "token_budget", None)
-    runs += plan(max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget)
-    if getattr(engine, "prompt_cache", None) is not None:
-        runs.append(WarmupRun("cached", min(PREFILL_GROUP, max_batch), CHAT_PROMPT, 2))
-    return runs
-
-
-class LaterWarmup:
-    """The warm-up's runs left for after the engine reports healthy, each run alone while the
-    engine is idle (``EngineCore.idle_work``) and once ``ready`` says its kernels are on disk
-    (its primer has ended): a request that comes meanwhile waits for one run at most, which
-    reads its kernels rather than compiling them. Long prompts' shapes go here: their kernels
-    compile in primers of their own, off the path to healthy (design/027)."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        runs: list[WarmupRun],
-        *,
-        max_batch: int,
-        prefill_chunk: int,
-        ready: Callable[[WarmupRun], bool],
-        force: bool = False,
-    ) -> None:
-        self._engine = engine
-        self._pending = list(runs)
-        self._warm_up = functools.partial(
-            warm_up, engine, max_batch=max_batch, prefill_chunk=prefill_chunk, force=force
-        )
-        self._ready = ready
-        self.shapes: list[WarmupShape] = []
-        self.stopped = 0  # runs stopped for a call, to be run again
-
-    @property
-    def finished(self) -> bool:
-        return not self._pending
-
-    @property
-    def waiting(self) -> bool:
-        """Runs are left, and none is ready."""
-        return bool(self._pending) and not any(map(self._ready, self._pending))
-
-    def run_next(self, stop: Callable[[], bool] | None = None) -> bool:
-        """Run the first run that is ready; whether one ran. ``stop`` (a call waits) is asked
-        between its steps: a run stopped is dropped, its rows freed, and tried again later
-        whole, so a call waits for one step at most. A run that fails ends the rest (they only
-        ever save time): the runtime compiles what it meets."""
-        run = next((run for run in self._pending if self._ready(run)), None)
-        if run is None:
-            return False
-        try:
-            self.shapes += self._warm_up(only=lambda planned: planned == run, stop=stop).shapes
-            self._pending.remove(run)
-        except WarmupStopped:
-            self.stopped += 1
-        except Exception:
-            logger.exception("the warm-up's %s run after healthy failed; the rest are left", run)
-            self._pending.clear()
-        if self.finished:
-            seconds = sum(shape.seconds for shape in self.shapes)
-            logger.info(
-                "warm-up after healthy: %d shapes in %.1f s (%d runs stopped for a call, then run "
-                "again)",
-                len(self.shapes),
-                seconds,
-                self.stopped,
-            )
-        return True
 
 
 def _prompt(engine: Engine, length: int, salt: int) -> tuple[int, ...]:
@@ -329,7 +246,6 @@ def _batch(
     prompt_tokens: int,
     new_tokens: int,
     prefill_chunk: int,
-    stop: Callable[[], bool] | None = None,
 ) -> WarmupShape:
     temperature = 1.0 if lane == "sampled" else 0.0
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens)
@@ -342,7 +258,7 @@ def _batch(
             length = prompt_tokens + (row + 1) * PAD_GRANULE
         prompts.append(_prompt(engine, length, row + 1))
     start = time.perf_counter()
-    _run(batch, prompts, params, prefill_chunk, stop)
+    _run(batch, prompts, params, prefill_chunk)
     return WarmupShape(lane, rows, prompt_tokens, new_tokens, time.perf_counter() - start)
 
 
@@ -351,10 +267,8 @@ def _run(
     prompts: list[tuple[int, ...]],
     params: SamplingParams,
     prefill_chunk: int,
-    stop: Callable[[], bool] | None = None,
 ) -> None:
-    """Add a request of each prompt and step the batch until every row has finished, or
-    ``stop`` says to between steps (:class:`WarmupStopped`; closing the batch frees its rows)."""
+    """Add a request of each prompt and step the batch until every row has finished."""
     for prompt in prompts:
         batch.add(PreparedRequest(prompt_tokens=prompt, params=params))
     # Each step decodes every generating row once and prefills a chunk of some rows (with a
@@ -364,7 +278,5 @@ def _run(
     for _ in range(max_steps):
         if batch.num_rows == 0:
             return
-        if stop is not None and stop():
-            raise WarmupStopped
         batch.step()
     raise EngineError(f"warm-up batch of {len(prompts)} rows did not finish in {max_steps} steps")

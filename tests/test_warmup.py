@@ -4,21 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mlx_trio.engine import warmup
 from mlx_trio.engine.batch.prompt_cache import PromptCache
 from mlx_trio.engine.batch.schedule import TokenBudget
-from mlx_trio.engine.core import EngineCore
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.options import CoreRecipe, boot_core
 from mlx_trio.engine.params import SamplingParams
-from mlx_trio.engine.primers import group_of
-from mlx_trio.engine.warmup import (
-    LaterWarmup,
-    WarmupReport,
-    WarmupRun,
-    all_runs,
-    warm_up,
-)
+from mlx_trio.engine.warmup import warm_up
 from tests.tiny import make_loaded
 
 
@@ -81,79 +71,3 @@ def test_warm_up_runs_a_second_chat_burst_from_prompt_cache_hits(monkeypatch):
     assert engine.prompt_cache is not None and engine.prompt_cache.statistics().entries == 0
     without_cache = warm_up(Engine(make_loaded()), max_batch=8, prefill_chunk=32, force=True)
     assert "cached" not in {s.lane for s in without_cache.shapes}
-
-
-def _long_prompt_engine() -> Engine:
-    budget = TokenBudget(max_preparation_tokens=512, max_iteration_tokens=256, max_chunk=256)
-    return Engine(
-        make_loaded(), prompt_cache_bytes=16 << 20, token_budget=replace(budget, alone_from=64)
-    )
-
-
-def test_the_warm_up_left_for_later_runs_a_run_at_a_time_once_its_kernels_are_ready():
-    engine = _long_prompt_engine()
-    runs = [run for run in all_runs(engine, max_batch=8, prefill_chunk=32) if run.lane == "alone"]
-    ready: set[int] = set()
-    later = LaterWarmup(
-        engine,
-        runs,
-        max_batch=8,
-        prefill_chunk=32,
-        ready=lambda run: run.prompt_tokens in ready,
-        force=True,
-    )
-    assert later.waiting and not later.run_next()  # no primer has ended: nothing runs
-    ready.add(257)
-    # A call that comes stops the run between its steps; it runs again, whole, later.
-    assert later.run_next(stop=lambda: True) and later.shapes == [] and later.stopped == 1
-    assert later.run_next() and [(s.lane, s.prompt_tokens) for s in later.shapes] == [
-        ("alone", 257)
-    ]
-    assert later.waiting and not later.finished
-    ready.add(1)
-    assert later.run_next() and later.finished and not later.run_next()
-    assert engine.prompt_cache is not None and engine.prompt_cache.statistics().entries == 0
-
-
-def test_an_idle_engine_runs_the_warm_up_left_for_later_only_while_it_holds_no_row():
-    engine = _long_prompt_engine()
-    core = EngineCore(engine, max_batch=8, prefill_chunk=32)
-    runs = [run for run in all_runs(engine, max_batch=8, prefill_chunk=32) if run.lane == "burst"]
-    core.later_warmup = LaterWarmup(
-        engine, runs, max_batch=8, prefill_chunk=32, ready=lambda run: True, force=True
-    )
-    params = SamplingParams(temperature=0, max_tokens=4)
-    request = engine.prepare("a request that holds a row", params)
-    assert core.batch_add([request]) == [0]
-    while core.num_rows:
-        core.idle_work()  # the row's steps, never the warm-up beside it
-        core.batch_step(1)
-    assert core.later_warmup is not None and core.later_warmup.shapes == []
-    while core.idle_work():
-        pass
-    assert core.later_warmup is None and not core.idle_work_waiting  # all ran, then it was let go
-    core.close()
-
-
-def test_an_engine_process_reports_healthy_before_long_prompts_shapes(monkeypatch):
-    """With ``warm_later``, boot leaves the long prompts' runs (primer groups ``long`` and
-    ``burst``) to the idle time; every other run comes first, as before."""
-    admitted: list[WarmupRun] = []
-
-    def spy(engine: Engine, *, only, before, **kwargs) -> WarmupReport:
-        planned = all_runs(engine, max_batch=kwargs["max_batch"], prefill_chunk=32)
-        admitted.extend(run for run in planned if only(run))
-        return WarmupReport("gpu", 0.0, ())
-
-    monkeypatch.setattr(warmup, "warm_up", spy)
-    core, _ = boot_core(CoreRecipe(_long_prompt_engine, max_batch=8, warm_later=True))
-    assert core.later_warmup is not None
-    left = core.later_warmup._pending
-    assert {group_of(run, quantized=False) for run in left} == {"long", "burst"}
-    assert {run.lane for run in admitted} == {"serial", "batch", "sampled", "prefill", "cached"}
-    assert not set(admitted) & set(left)
-    core.close()
-    admitted.clear()
-    core, _ = boot_core(CoreRecipe(_long_prompt_engine, max_batch=8))  # a thread: all first
-    assert core.later_warmup is None and {"burst", "alone"} <= {run.lane for run in admitted}
-    core.close()

@@ -63,8 +63,6 @@ async def open_engine(
             max_batch=config.max_batch,
             warm_up=options.warm_up,
             kernels=primers.done if primers is not None and options.warm_up else None,
-            # An engine process's loop runs the long prompts' shapes once it serves.
-            warm_later=bool(options.engine_process) and options.ranks is None,
         )
         policy = RestartPolicy(
             max_restarts=config.max_engine_restarts, step_timeout_s=config.step_timeout_s
