@@ -58,7 +58,7 @@ class RequestPreparer:
         if not images:
             return encode_prompt(self.tokenizer, prompt), None
         if self.processor is None:
-            raise ImageError(images[0].where, "this model takes no images (a text model)")
+            raise ImageError(images[0].where, "this model takes no images on this server")
         assert not isinstance(prompt, str)  # a text prompt has no images
         return process_images(
             self.processor, render_chat(self.tokenizer, prompt, tokenize=False), images

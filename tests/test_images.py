@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
 from pathlib import Path
 
@@ -324,10 +325,25 @@ def test_an_image_prompt_prefills_a_chunk_a_call_and_stops_between_them(vlm_dir)
 
 @pytest.fixture(scope="module")
 def text_server(tmp_path_factory: pytest.TempPathFactory):
-    model = save("llama", tmp_path_factory.mktemp("models") / "tiny-llama")
+    """A vision model of a family whose images this server does not take (Qwen3.5's config
+    has a ``vision_config``): it loads through mlx-lm as before images, and serves text."""
+    model = save("qwen3_5", tmp_path_factory.mktemp("models") / "tiny-qwen3_5")
+    config = json.loads((model / "config.json").read_text())
+    config["vision_config"] = {"depth": 1, "hidden_size": 16}
+    (model / "config.json").write_text(json.dumps(config))
     with serve(model) as running:  # image URLs off: the default
         running.wait_healthy()
         yield running
+
+
+def test_a_vision_model_whose_images_are_not_taken_still_serves_text(text_server):
+    client = openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model="tiny-qwen3_5",
+        messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
+        max_tokens=4,
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
 
 
 @pytest.mark.parametrize(
@@ -341,7 +357,7 @@ def test_a_text_model_or_a_server_without_urls_refuses_the_part(text_server, url
     client = openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
-            model="tiny-llama",
+            model="tiny-qwen3_5",
             messages=[
                 {
                     "role": "user",

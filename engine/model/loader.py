@@ -33,7 +33,7 @@ from ..errors import InvalidRequestError, UnsupportedModelError
 from ..vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from .gguf import Progress
 from .model_store import resolve_model
-from .vision import VisionParts, is_vision_checkpoint, load_processor, load_vision_model
+from .vision import VisionParts, load_processor, load_vision_model, takes_images
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def load_model(
     resolved = resolve_model(spec, progress=progress)
     vision: VisionParts | None = None
     try:
-        if is_vision_checkpoint(resolved.path):
+        if takes_images(resolved.path):
             if split is not None:
                 raise UnsupportedModelError("a vision model cannot be split over ranks yet")
             model, vision, config = load_vision_model(resolved.path, resolved.model_id)
@@ -189,7 +189,7 @@ def load_tokenizer_only(spec: str | None, *, progress: Progress | None = None) -
     try:
         config = load_config(resolved.path)
         tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
-        processor = load_processor(resolved.path) if is_vision_checkpoint(resolved.path) else None
+        processor = load_processor(resolved.path) if takes_images(resolved.path) else None
     except (ValueError, KeyError, OSError) as exc:
         message = f"mlx-lm could not load the tokenizer of {resolved.model_id!r}"
         raise UnsupportedModelError(f"{message} ({type(exc).__name__})") from exc

@@ -16,6 +16,7 @@ are refused at load, by name.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -48,35 +49,54 @@ class VisionParts:
     family: str
 
 
-def is_vision_checkpoint(path: Path) -> bool:
-    """Whether the checkpoint at ``path`` is a vision-language model (its config has a
-    ``vision_config``)."""
+def vision_family(path: Path) -> str | None:
+    """The model type of the checkpoint at ``path`` where it is a vision-language model (its
+    config has a ``vision_config``), else None."""
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not isinstance(config.get("vision_config"), dict):
+        return None
+    return str(config.get("model_type"))
+
+
+def takes_images(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` loads here as a vision model: a vision-language
+    model of a family in ``FAMILIES``, with mlx-vlm installed. Others load through mlx-lm as
+    they did before images (Qwen3.5, Gemma 3, Mistral 3 and others: mlx-lm drops their vision
+    weights), their language model serving text, and an image request to them is refused."""
+    family = vision_family(path)
+    if family is None:
         return False
-    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+    if family not in FAMILIES:
+        logger.info(
+            "%s: a vision model of type %r, whose images this server does not take yet "
+            "(it takes %s); its language model serves text",
+            path.name,
+            family,
+            ", ".join(FAMILIES),
+        )
+        return False
+    if importlib.util.find_spec("mlx_vlm") is None:
+        logger.warning(
+            "%s: a vision model, and mlx-vlm is not installed (scripts/setup.sh installs it); "
+            "its language model serves text",
+            path.name,
+        )
+        return False
+    return True
 
 
 def load_vision_model(path: Path, model_id: str) -> tuple[nn.Module, VisionParts, dict[str, Any]]:
     """Load the checkpoint at ``path`` with mlx-vlm: the language model as the engine runs
-    it, the vision parts, and the config. Raises ``UnsupportedModelError`` for a family not
-    in ``FAMILIES`` or a checkpoint mlx-vlm cannot build."""
-    try:
-        from mlx_vlm.utils import load_config
-        from mlx_vlm.utils import load_model as vlm_load_model
-    except ImportError as exc:
-        raise UnsupportedModelError(
-            f"{model_id!r} is a vision model, and mlx-vlm is not installed (scripts/setup.sh "
-            "installs it)"
-        ) from exc
+    it, the vision parts, and the config (:func:`takes_images` first). Raises
+    ``UnsupportedModelError`` for a checkpoint mlx-vlm cannot build."""
+    from mlx_vlm.utils import load_config
+    from mlx_vlm.utils import load_model as vlm_load_model
 
     config = load_config(path)
     family = config.get("model_type")
-    if family not in FAMILIES:
-        raise UnsupportedModelError(
-            f"vision model type {family!r} is not supported yet (supported: {', '.join(FAMILIES)})"
-        )
     try:
         model = vlm_load_model(path)
         processor = load_processor(path)
