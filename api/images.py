@@ -5,7 +5,8 @@ What leaves here is ``ImageInput``: bytes under ``max_image_bytes`` and the part
 from; decoding and resizing happen later, off the event loop, where the request is prepared.
 A URL is fetched only with ``--allow-image-urls``, with httpx, under the byte limit and a
 time limit, following no redirect, and never from a private, loopback, link-local or
-otherwise non-public address (its host's every address is checked before the fetch).
+otherwise non-public address (its host's every address is checked before the fetch, which then
+goes to the address checked).
 """
 
 from __future__ import annotations
@@ -142,10 +143,18 @@ class ImageLoader:
                 "this server fetches no image URLs (started without --allow-image-urls); "
                 "send the image as a data: URL",
             )
-        host = urlsplit(ref.url).hostname
+        parts = urlsplit(ref.url)
+        host = parts.hostname
         if not host:
             raise ImageError(ref.where, "the image URL has no host")
-        await self._check_public(ref, host)
+        address = await self._public_address(ref, host)
+        # The fetch goes to the address just checked, not to a second lookup of the name,
+        # which could answer otherwise (DNS rebinding); TLS still checks the name.
+        netloc = f"[{address}]" if ":" in address else address
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        pinned = parts._replace(netloc=netloc).geturl()
+        headers = {"Host": parts.netloc.rpartition("@")[2]}
         limit = self.settings.max_bytes
         try:
             with trio.fail_after(self.settings.fetch_timeout_s):
@@ -153,7 +162,9 @@ class ImageLoader:
                     httpx.AsyncClient(
                         transport=self._transport, follow_redirects=False, trust_env=False
                     ) as client,
-                    client.stream("GET", ref.url) as response,
+                    client.stream(
+                        "GET", pinned, headers=headers, extensions={"sni_hostname": host}
+                    ) as response,
                 ):
                     if response.status_code != 200:
                         raise ImageError(
@@ -173,15 +184,19 @@ class ImageLoader:
             problem = f"the image could not be fetched ({type(exc).__name__})"
             raise ImageError(ref.where, problem) from None
 
-    async def _check_public(self, ref: ImageRef, host: str) -> None:
-        """Refuse a host any of whose addresses is not public (a literal one, or resolved)."""
+    async def _public_address(self, ref: ImageRef, host: str) -> str:
+        """The address to fetch ``host`` from: its first, once every one of its addresses (a
+        literal one, or resolved) is checked to be public; else refused."""
         try:
             infos = await trio.socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except OSError:
             raise ImageError(ref.where, "the image URL's host does not resolve") from None
-        for *_, address in infos:
-            ip = ipaddress.ip_address(address[0])
+        addresses = [ipaddress.ip_address(address[0]) for *_, address in infos]
+        for ip in addresses:
             if not ip.is_global or ip.is_multicast:
                 raise ImageError(
                     ref.where, "the image URL's host is a private or local address; refused"
                 )
+        if not addresses:
+            raise ImageError(ref.where, "the image URL's host does not resolve")
+        return str(addresses[0])

@@ -98,3 +98,20 @@ async def test_without_the_flag_no_url_is_fetched():
     with pytest.raises(ImageError, match="without --allow-image-urls"):
         await images.load_one(ImageRef(WHERE, PUBLIC))
     assert sent == []
+
+
+async def test_a_named_host_is_fetched_from_the_address_that_was_checked(monkeypatch):
+    """No second lookup that could answer a private address (DNS rebinding): the request goes
+    to the public address checked, naming the host in its Host header and for TLS."""
+    answers = iter(["93.184.215.14", "127.0.0.1"])  # the first lookup, then a rebinding one
+
+    async def getaddrinfo(host, port, *args, **kwargs):
+        return [(2, 1, 6, "", (next(answers), 0))]
+
+    monkeypatch.setattr(trio.socket, "getaddrinfo", getaddrinfo)
+    images, sent = loader(png_bytes)
+    await images.load_one(ImageRef(WHERE, "https://images.example:8443/cat.png?size=2"))
+    (request,) = sent
+    assert str(request.url) == "https://93.184.215.14:8443/cat.png?size=2"
+    assert request.headers["Host"] == "images.example:8443"
+    assert request.extensions["sni_hostname"] == "images.example"
