@@ -79,7 +79,7 @@ class MessagesApi:
         not served here)."""
         settings = self.state.settings
         data: dict[str, Any] = await read_json(
-            request, settings.max_body_bytes, settings.body_timeout_s
+            request, self.state.body_limit(), settings.body_timeout_s
         )
         messages = data.get("messages")
         if isinstance(messages, list) and len(messages) > MAX_MESSAGES:  # before pydantic

@@ -124,7 +124,8 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         "--max-body-bytes",
         type=integer(1024, 1 << 30),
         default=None,
-        help=f"largest request body, 1 KiB to 1 GiB (default: {HTTP.max_body_bytes})",
+        help="largest request body, 1 KiB to 1 GiB (default: 2 MiB; a vision model's: "
+        "2 MiB more than --max-image-bytes as base64)",
     )
     images = serve.add_argument_group("images, for a vision model (design/031-images.md)")
     images.add_argument(

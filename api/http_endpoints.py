@@ -43,7 +43,8 @@ class Api:
         return self.state.settings
 
     async def _read(self, request: Request) -> dict[str, Any]:
-        return await read_json(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
+        limit = self.state.body_limit()
+        return await read_json(request, limit, self.settings.body_timeout_s)
 
     async def chat(self, request: Request) -> Response:
         data = await self._read(request)

@@ -41,7 +41,7 @@ class ResponsesApi:
 
     async def create(self, request: Request) -> Response:
         settings = self.state.settings
-        data = await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
+        data = await read_json(request, self.state.body_limit(), settings.body_timeout_s)
         items = data.get("input")
         if isinstance(items, list) and len(items) > MAX_MESSAGES:  # before pydantic
             raise HttpError(

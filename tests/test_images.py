@@ -372,3 +372,27 @@ def test_a_text_model_or_a_server_without_urls_refuses_the_part(text_server, url
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "messages.[0].content.[1]"
     assert says in error["message"]
+
+
+def test_a_screenshot_past_a_text_bodys_limit_is_taken_by_a_vision_model_only(server, text_server):
+    """A random-noise PNG of 2.7 MB (3.6 MB as base64): past the 2 MiB body a text model's
+    server takes (413), within a vision model's default, which has room for an image."""
+    shot = data_url(png(960, 960, seed=3))
+    assert len(shot) > 3 * 1024 * 1024
+    body = {
+        "model": "m",
+        "max_tokens": 2,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": QUESTION},
+                    {"type": "image_url", "image_url": {"url": shot}},
+                ],
+            }
+        ],
+    }
+    for running, status in ((server, 200), (text_server, 413)):
+        body["model"] = "tiny-vlm" if running is server else "tiny-qwen3_5"
+        reply = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == status, reply.text

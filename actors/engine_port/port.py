@@ -263,6 +263,10 @@ class CorePort:
     def reply_syntax(self) -> ReplySyntax:
         return self._the_preparer().reply_syntax
 
+    @property
+    def takes_images(self) -> bool:
+        return self._preparer is not None and self._preparer.processor is not None
+
     def _the_preparer(self) -> RequestPreparer:
         if self._preparer is None:
             raise EngineError("this engine port was started without a tokenizer")
