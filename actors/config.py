@@ -4,7 +4,7 @@ HTTP edge."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ..engine.budget import MemoryBudget, MemoryUsage
@@ -77,6 +77,15 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MediaStatistics:
+    """Requests with images that started (each on the serial lane), and what they sent."""
+
+    requests: int = 0
+    images: int = 0
+    pixels: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class RuntimeStatistics:
     """A snapshot of the runtime (Trio-style ``statistics()``).
 
@@ -122,3 +131,5 @@ class RuntimeStatistics:
     # How the model's requests run: together in the batch, one at a time on the serial lane
     # (the model's caches cannot merge), or "off" (max_batch 1).
     batch_mode: Literal["batch", "serial", "off"] = "batch"
+    # Requests with images (design/031-images.md): started, and their images and pixels.
+    media: MediaStatistics = field(default_factory=MediaStatistics)

@@ -128,6 +128,11 @@ class EnginePort(Protocol):
         """How the model's chat replies split into content, reasoning and tool calls."""
         ...
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model's requests may carry images (a vision model's, design/031)."""
+        ...
+
     def liveness(self) -> EngineLiveness:
         """Whether the engine is up (a supervised engine may be restarting); an unsupervised
         one answers ``ALWAYS_UP``."""

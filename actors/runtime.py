@@ -28,7 +28,7 @@ from . import gate
 from .arbiter import EngineArbiter, LeaseKind, ReleaseLease, acquire
 from .batch_group import BatchGroup
 from .batch_messages import RowsComing
-from .config import RuntimeConfig, RuntimeStatistics
+from .config import MediaStatistics, RuntimeConfig, RuntimeStatistics
 from .event_queue import EventQueue
 from .messages import (
     GenerationRequest,
@@ -84,6 +84,7 @@ class Runtime:
         self._no_sessions.set()
         self._closed = False
         self.outcomes = OutcomeTally()
+        self._media = MediaStatistics()
 
     # -- submission -------------------------------------------------------------------------
 
@@ -179,6 +180,13 @@ class Runtime:
         admission: gate.Admission,
     ) -> tuple[Session, EventQueue]:
         lane = self.place(request, self.engine.unbatchable_reason(prepared))
+        if (images := prepared.images) is not None:
+            media = self._media
+            self._media = MediaStatistics(
+                media.requests + 1,
+                media.images + images.num_images,
+                media.pixels + images.num_pixels,
+            )
         session_id = request.request_id or f"req-{next(self._ids)}"
         events = EventQueue(
             session_id,
@@ -290,6 +298,7 @@ class Runtime:
             batch_limit=batch.batch_limit,
             out_of_memory=batch.out_of_memory,
             batch_mode="off" if self.config.max_batch == 1 else self.engine.batch_mode,
+            media=self._media,
         )
 
     async def shutdown(self, grace_s: float | None = None) -> None:

@@ -278,12 +278,15 @@ class Session:
         self.done.set()
 
     def _usage(self, stats: GenerationStats | None = None) -> Usage:
+        images = self.request.images
         return Usage(
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=self._num_generated,
             cached_tokens=stats.cached_tokens if stats else 0,
             drafted_tokens=stats.drafted_tokens if stats else 0,
             accepted_tokens=stats.accepted_tokens if stats else 0,
+            images=0 if images is None else images.num_images,
+            image_pixels=0 if images is None else images.num_pixels,
         )
 
     def _timings(self) -> Timings:

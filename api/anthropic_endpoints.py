@@ -34,7 +34,9 @@ class MessagesApi:
     async def messages(self, request: Request) -> Response:
         body = await self._body(request, MessagesRequest)
         state = self.state
-        submitted = await submit(state, request, body, lambda: [body.chat()], id_prefix="msg_")
+        images = await state.load_images(body.image_refs)
+        chats = lambda: [body.chat(images)]  # noqa: E731
+        submitted = await submit(state, request, body, chats, id_prefix="msg_")
         rt, request_id, handles = submitted.runtime, submitted.request_id, submitted.handles
         splitter = rt.reply_syntax().splitter(
             handles[0].prompt_tokens, body.tools_in_prompt, body.choice
@@ -65,8 +67,9 @@ class MessagesApi:
         body = await self._body(request, CountTokensRequest)
         rt = runtime_of(self.state)
         check_model(self.state, rt, body.model)
+        images = await self.state.load_images(body.image_refs)
         try:
-            tokens = await rt.tokenize(body.chat())
+            tokens = await rt.tokenize(body.chat(images))
         except InvalidRequestError as exc:
             raise refusal_error(exc.renamed({"prompt": "messages"})) from None
         return JSONResponse({"input_tokens": len(tokens)})
@@ -76,7 +79,7 @@ class MessagesApi:
         not served here)."""
         settings = self.state.settings
         data: dict[str, Any] = await read_json(
-            request, settings.max_body_bytes, settings.body_timeout_s
+            request, self.state.body_limit(), settings.body_timeout_s
         )
         messages = data.get("messages")
         if isinstance(messages, list) and len(messages) > MAX_MESSAGES:  # before pydantic

@@ -5,10 +5,12 @@ its content and each ``tool_result`` a ``tool`` message answering its ``tool_use
 assistant turn's ``tool_use`` blocks its calls (``thinking`` blocks it sent back are dropped).
 ``tools`` with ``input_schema`` are offered as the chat endpoint offers its functions, and
 ``tool_choice`` ``any`` or ``tool`` is held by the same grammar as OpenAI's ``required``.
-A block or field that would change what is generated and is not served here (``image``,
-server tools, ``mcp_servers``, ...) gets a 400 naming it; ``cache_control`` and the fields that
-change nothing here (``metadata``, ``service_tier``, ``context_management``) are accepted; any
-other field is ignored and logged once. design/026-messages-api.md lists them all.
+``image`` blocks (base64, or a URL where the server fetches them) go to a vision model
+(design/031-images.md). A block or field that would change what is generated and is not served
+here (``document``, server tools, ``mcp_servers``, ...) gets a 400 naming it; ``cache_control``
+and the fields that change nothing here (``metadata``, ``service_tier``,
+``context_management``) are accepted; any other field is ignored and logged once.
+design/026-messages-api.md lists them all.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from pydantic import ConfigDict, Discriminator, Field, StrictBool, StrictInt, Ta
 
 from ..engine.errors import InvalidRequestError
 from ..engine.params import Grammar, SamplingParams
-from ..engine.vocabulary.prompt import Chat, ChatMessage
+from ..engine.vocabulary.images import ImageInput
+from ..engine.vocabulary.prompt import Chat, ChatMessage, PlacedImage
 from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from ..engine.vocabulary.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choice
+from .anthropic_tools import ThinkingSpec, ToolChoiceSpec, ToolDefinition
 from .chat_parts import Body
+from .images import ImageBlock, ImageRef, ImageSource
 from .schemas import Number, fields_of, format_param, log_ignored
 
 # Anthropic's fields that change nothing here (metadata, routing, caching that is automatic
@@ -46,7 +51,7 @@ NO_EFFECT_FIELDS = frozenset(
 # Anthropic's fields that would change what is generated, not served here: a 400 when set.
 UNSUPPORTED_FIELDS = frozenset({"mcp_servers", "container"})
 # What each block type the API defines becomes where it is not served (a 400 naming it).
-KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image")
 
 
 class TextBlock(Body):
@@ -55,7 +60,7 @@ class TextBlock(Body):
 
 
 class OtherBlock(Body):
-    """A block of a type not served here (``image``, ``document``, server tools' blocks...):
+    """A block of a type not served here (``document``, server tools' blocks...):
     parsed to be named in the 400 that refuses it."""
 
     type: str
@@ -98,6 +103,7 @@ Block = Annotated[
     | Annotated[ToolResultBlock, Tag("tool_result_block")]
     | Annotated[ThinkingBlock, Tag("thinking_block")]
     | Annotated[ThinkingBlock, Tag("redacted_thinking_block")]
+    | Annotated[ImageBlock, Tag("image_block")]
     | Annotated[OtherBlock, Tag("other_block")],
     Discriminator(_block_tag),
 ]
@@ -107,7 +113,7 @@ def refuse_block(block: OtherBlock, path: list[int | str]) -> InvalidRequestErro
     param = format_param(path)
     return InvalidRequestError(
         f"{param}: content blocks of type {block.type[:40]!r} are not supported by this "
-        "server yet (it serves text, tool_use, tool_result and thinking blocks)",
+        "server yet (it serves text, image, tool_use, tool_result and thinking blocks)",
         param=param,
         code="unsupported",
     )
@@ -119,32 +125,49 @@ class InputMessage(Body):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
-    def chat_messages(self, index: int) -> list[ChatMessage]:
+    def image_refs(self, index: int) -> list[ImageRef]:
+        if isinstance(self.content, str):
+            return []
+        return [
+            block.ref(format_param(["messages", index, "content", at]) or "")
+            for at, block in enumerate(self.content)
+            if isinstance(block, ImageBlock)
+        ]
+
+    def chat_messages(
+        self, index: int, images: Mapping[str, ImageInput] | None = None
+    ) -> list[ChatMessage]:
         """This turn as chat messages: a user turn's tool results each a ``tool`` message, in
-        order with its text; an assistant turn's text and calls as one message."""
+        order with its text and images (their bytes in ``images`` by block path); an
+        assistant turn's text and calls as one message."""
         if isinstance(self.content, str):
             return [ChatMessage(self.role, self.content)]
         out: list[ChatMessage] = []
         texts: list[str] = []
         calls: list[ToolCall] = []
+        placed: list[PlacedImage] = []
         for at, block in enumerate(self.content):
             match block:
                 case TextBlock(text=text):
                     texts.append(text)
+                case ImageBlock():
+                    where = format_param(["messages", index, "content", at]) or ""
+                    if images is not None and where in images:
+                        placed.append(PlacedImage(sum(map(len, texts)), images[where]))
                 case ToolUseBlock(id=call_id, name=name, input=arguments):
                     calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False), call_id))
                 case ToolResultBlock():
-                    if texts:
-                        out.append(ChatMessage(self.role, "".join(texts)))
-                        texts = []
+                    if texts or placed:
+                        out.append(ChatMessage(self.role, "".join(texts), images=tuple(placed)))
+                        texts, placed = [], []
                     path: list[int | str] = ["messages", index, "content", at, "content"]
                     out.append(
                         ChatMessage("tool", _result_text(block, path), (), block.tool_use_id)
                     )
                 case OtherBlock():
                     raise refuse_block(block, ["messages", index, "content", at])
-        if texts or calls or not out:
-            out.append(ChatMessage(self.role, "".join(texts), tuple(calls)))
+        if texts or calls or placed or not out:
+            out.append(ChatMessage(self.role, "".join(texts), tuple(calls), images=tuple(placed)))
         return out
 
 
@@ -162,46 +185,6 @@ def _result_text(block: ToolResultBlock, path: list[int | str]) -> str:
             parts.append(part.text)
         text = "\n".join(parts)
     return f"Error: {text}" if block.is_error else text
-
-
-class ToolDefinition(Body):
-    """A client tool (``type`` absent or ``custom``); Anthropic's server tools (``bash_...``,
-    ``web_search_...``) are refused by type."""
-
-    name: str
-    description: str = ""
-    input_schema: dict[str, Any] | None = None
-    type: str | None = None
-
-    def tool(self, index: int) -> Tool:
-        if self.type not in (None, "custom"):
-            raise InvalidRequestError(
-                f"tools.[{index}]: tools of type {self.type[:40]!r} (Anthropic's server tools) "
-                "are not supported by this server; send client tools with an input_schema",
-                param=f"tools.[{index}]",
-                code="unsupported",
-            )
-        return Tool.of(self.name, self.description, self.input_schema)
-
-
-class ToolChoiceSpec(Body):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: StrictBool = False
-
-
-class ThinkingSpec(Body):
-    """``enabled`` or ``disabled``: the template's thinking switch where it has one
-    (``enable_thinking``); ``adaptive`` (the model decides): the template's default.
-    ``budget_tokens`` is accepted, not enforced."""
-
-    type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: StrictInt | None = None
-
-    def template_kwargs(self) -> dict[str, Any]:
-        if self.type == "adaptive":
-            return {}
-        return {"enable_thinking": self.type == "enabled"}
 
 
 class _Conversation(Body):
@@ -261,7 +244,11 @@ class _Conversation(Body):
     def tools_in_prompt(self) -> tuple[Tool, ...]:
         return self.offered_tools if self.choice.mode != "none" else ()
 
-    def chat(self) -> Chat:
+    def image_refs(self) -> list[ImageRef]:
+        return [ref for i, message in enumerate(self.messages) for ref in message.image_refs(i)]
+
+    def chat(self, images: Mapping[str, ImageInput] | None = None) -> Chat:
+        """The chat for the engine, its image blocks' bytes from ``images`` (by block path)."""
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         if self.messages[-1].role == "assistant":
@@ -271,7 +258,9 @@ class _Conversation(Body):
                 param="messages",
                 code="unsupported",
             )
-        turns = [m for i, message in enumerate(self.messages) for m in message.chat_messages(i)]
+        turns = [
+            m for i, message in enumerate(self.messages) for m in message.chat_messages(i, images)
+        ]
         system = (
             self.system
             if isinstance(self.system, str)
@@ -388,6 +377,8 @@ FIELD_NAMES = fields_of(
     MessagesRequest,
     InputMessage,
     TextBlock,
+    ImageBlock,
+    ImageSource,
     OtherBlock,
     ToolUseBlock,
     ToolResultBlock,

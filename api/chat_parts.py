@@ -5,14 +5,17 @@ offered and the choice among them, and ``response_format``; ``api/schemas.py`` a
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag
 
 from ..engine.errors import InvalidRequestError
 from ..engine.params import Grammar
-from ..engine.vocabulary.prompt import ChatMessage
+from ..engine.vocabulary.images import ImageInput
+from ..engine.vocabulary.prompt import ChatMessage, PlacedImage
 from ..engine.vocabulary.tools import Tool, ToolCall
+from .images import ImageRef
 
 
 class Body(BaseModel):
@@ -22,6 +25,28 @@ class Body(BaseModel):
 class TextPart(Body):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(Body):
+    url: str
+    detail: str | None = None  # accepted; the model's processor sizes the image
+
+
+class ImageURLPart(Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"text": "text_part", "image_url": "image_part"}.get(kind, "text_part")
+
+
+# Tagged apart from the field names, which an error's parameter path is made of.
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text_part")] | Annotated[ImageURLPart, Tag("image_part")],
+    Discriminator(_part_tag),
+]
 
 
 class CalledFunction(Body):
@@ -37,7 +62,7 @@ class MessageToolCall(Body):
 
 class Message(Body):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
@@ -46,13 +71,48 @@ class Message(Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
-    def chat_message(self) -> ChatMessage:
+    def image_refs(self, where: str) -> list[ImageRef]:
+        """This message's image parts, ``where`` being the message's own path."""
+        if not isinstance(self.content, list):
+            return []
+        return [
+            ImageRef(f"{where}.content.[{j}]", part.image_url.url)
+            for j, part in enumerate(self.content)
+            if isinstance(part, ImageURLPart)
+        ]
+
+    def chat_message(
+        self, where: str = "", images: Mapping[str, ImageInput] | None = None
+    ) -> ChatMessage:
+        """The message for the engine; its image parts' bytes are in ``images`` by their path
+        (``image_refs``), ``where`` being the message's."""
         calls = tuple(
             ToolCall(c.function.name, c.function.arguments, c.id) for c in self.tool_calls or ()
         )
-        return ChatMessage(self.role, self.text(), calls, self.tool_call_id)
+        text, placed = self.text(), ()
+        if isinstance(self.content, list) and images:
+            text, placed = place_images(self.content, where, images)
+        return ChatMessage(self.role, text, calls, self.tool_call_id, placed)
+
+
+def place_images(
+    parts: list[Any], where: str, images: Mapping[str, ImageInput]
+) -> tuple[str, tuple[PlacedImage, ...]]:
+    """The text of ``parts`` (those with ``text``) and their images from ``images`` (by
+    ``{where}.content.[{j}]``), each placed before the text that follows it."""
+    text: list[str] = []
+    placed: list[PlacedImage] = []
+    at = 0
+    for j, part in enumerate(parts):
+        image = images.get(f"{where}.content.[{j}]")
+        if image is not None:
+            placed.append(PlacedImage(at, image))
+        elif isinstance(getattr(part, "text", None), str):
+            text.append(part.text)
+            at += len(part.text)
+    return "".join(text), tuple(placed)
 
 
 class FunctionSpec(Body):

@@ -33,10 +33,12 @@ from .cli_flags import (
 )
 from .cli_ranks import add_rank_flags
 from .http_state import HttpSettings
+from .images import ImageSettings
 from .server import ServeOptions
 
 RUNTIME = RuntimeConfig()  # the defaults the flags' help shows
 HTTP = HttpSettings()
+IMAGES = ImageSettings()
 SERVE = ServeOptions()
 
 
@@ -123,7 +125,28 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         "--max-body-bytes",
         type=integer(1024, 1 << 30),
         default=None,
-        help=f"largest request body, 1 KiB to 1 GiB (default: {HTTP.max_body_bytes})",
+        help="largest request body, 1 KiB to 1 GiB (default: 2 MiB; a vision model's: "
+        "2 MiB more than --max-image-bytes as base64)",
+    )
+    images = serve.add_argument_group("images, for a vision model (design/031-images.md)")
+    images.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        default=None,
+        help="fetch http(s) image URLs (never from private or local addresses); default: "
+        "only data: URLs and base64 images",
+    )
+    images.add_argument(
+        "--max-image-bytes",
+        type=integer(1024, 1 << 30),
+        default=None,
+        help=f"an image's largest size, sent or fetched (default: {IMAGES.max_bytes})",
+    )
+    images.add_argument(
+        "--max-image-pixels",
+        type=integer(1, 1 << 30),
+        default=None,
+        help=f"an image's largest width x height (default: {IMAGES.max_pixels})",
     )
     add_default_flags(
         serve.add_argument_group("sampling defaults, for what a request omits"),
@@ -251,5 +274,11 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
             max_n=args.max_n,
             sampling=flag_defaults(args),
             request_timeout_s=args.request_timeout,
+            images=given(
+                ImageSettings,
+                allow_urls=args.allow_image_urls,
+                max_bytes=args.max_image_bytes,
+                max_pixels=args.max_image_pixels,
+            ),
         ),
     )

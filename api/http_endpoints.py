@@ -43,7 +43,8 @@ class Api:
         return self.state.settings
 
     async def _read(self, request: Request) -> dict[str, Any]:
-        return await read_json(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
+        limit = self.state.body_limit()
+        return await read_json(request, limit, self.settings.body_timeout_s)
 
     async def chat(self, request: Request) -> Response:
         data = await self._read(request)
@@ -55,7 +56,8 @@ class Api:
                 param="messages",
             )
         body = checked(parse(ChatCompletionRequest, data))
-        return await self._generate(request, "chat", body, 1, lambda: [body.chat()])
+        images = await self.state.load_images(body.image_refs)
+        return await self._generate(request, "chat", body, 1, lambda: [body.chat(images)])
 
     async def completions(self, request: Request) -> Response:
         body = checked(parse(CompletionRequest, await self._read(request)))

@@ -112,20 +112,22 @@ class Exchange:
         completed = [o.timings for o in done if isinstance(o, Completed)]
         first = min(completed, key=lambda t: t.ttft_s or float("inf"), default=None)
         summary = ",".join(describe(o) for o in done)
+        images = f" images={usage.images} pixels={usage.image_pixels}" if usage.images else ""
+        drafts = usage.drafted_tokens and f" drafted={usage.drafted_tokens}"
+        drafts = f"{drafts} accepted={usage.accepted_tokens}" if drafts else ""
         logger.info(
-            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
-            "queued=%s prefill=%s decode=%s total=%.3fs%s",
+            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d%s%s ttft=%s "
+            "queued=%s prefill=%s decode=%s total=%.3fs",
             self.request_id,
             status,
             summary,
             usage.prompt_tokens,
             usage.completion_tokens,
+            images,
+            drafts,
             seconds(first and first.ttft_s),
             seconds(first and first.queued_s),
             seconds(first and first.prefill_s),
             seconds(first and first.decode_s),
             time.perf_counter() - self.started,
-            f" drafted={usage.drafted_tokens} accepted={usage.accepted_tokens}"
-            if usage.drafted_tokens
-            else "",
         )

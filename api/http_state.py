@@ -6,14 +6,22 @@ loaded, the requests running by id, the metrics registry).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..actors.config import RuntimeStatistics
+from ..engine.errors import InvalidRequestError
+from ..engine.vocabulary.images import ImageInput
 from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults, Source, built_in
+from .http_errors import refusal_error
+from .images import ImageLoader, ImageRef, ImageSettings
 from .inprocess import RuntimeHandle, SessionHandle
 from .metrics import Metrics
 
 API_KEY_STATE = "api_key_index"  # a request's state: which of the API keys its bearer token is
+
+
+TEXT_BODY_BYTES = 2 * 1024 * 1024  # a request body's default limit, before images
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,12 +35,21 @@ class HttpSettings:
     api_keys: tuple[str, ...] = ()
     served_model_names: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # CORS: the browser origins allowed ("*": any)
-    max_body_bytes: int = 2 * 1024 * 1024
+    max_body_bytes: int | None = None  # None: ``body_limit``'s default
     max_n: int = 8
     default_max_tokens: int = 512
     sampling: SamplingDefaults = NO_DEFAULTS  # serve's flags: over the model's defaults
     request_timeout_s: float | None = None
     body_timeout_s: float = 30.0
+    images: ImageSettings = field(default_factory=ImageSettings)  # image parts' limits, URLs
+
+    def body_limit(self, *, takes_images: bool) -> int:
+        """The largest request body: ``max_body_bytes`` where given, else 2 MiB, and for a
+        model that takes images room for one more image of ``images.max_bytes`` as base64
+        (an agent's screenshot is often past 2 MiB alone)."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return TEXT_BODY_BYTES + (-(-self.images.max_bytes // 3) * 4 if takes_images else 0)
 
 
 @dataclass
@@ -49,9 +66,25 @@ class AppState:
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.statistics)
 
+    def body_limit(self) -> int:
+        """The largest request body now (``HttpSettings.body_limit``; while the model loads,
+        a text model's)."""
+        rt = self.runtime
+        return self.settings.body_limit(takes_images=rt is not None and rt.takes_images)
+
     def model_names(self, rt: RuntimeHandle) -> tuple[str, ...]:
         """The names requests may give the model, the first the one it is listed by."""
         return self.settings.served_model_names or (rt.model_id,)
+
+    async def load_images(self, refs: Callable[[], Sequence[ImageRef]]) -> dict[str, ImageInput]:
+        """The bytes of the image parts ``refs()`` names, by part path (``api/images.py``);
+        raises ``HttpError`` 400 naming the part that cannot be had. If cancelled, nothing
+        is kept."""
+        try:
+            found = refs()
+            return await ImageLoader(self.settings.images).load(found) if found else {}
+        except InvalidRequestError as exc:
+            raise refusal_error(exc) from None
 
     def statistics(self) -> RuntimeStatistics | None:
         return self.runtime.statistics() if self.runtime else None

@@ -189,6 +189,11 @@ class RuntimeHandle:
         """One token id's text, as the model's tokenizer decodes it alone."""
         return self._runtime.engine.token_text(token_id)
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether requests may carry images (a vision model's, design/031)."""
+        return self._runtime.engine.takes_images
+
     def reply_syntax(self) -> ReplySyntax:
         """How the model's chat replies split into content, reasoning and tool calls:
         ``reply_syntax().splitter(handle.prompt_tokens, tools, choice)`` reads one."""

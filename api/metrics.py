@@ -72,6 +72,7 @@ class _RuntimeCollector(Collector):
             ("mlx_trio_batch_rows_pending", "rows waiting to join the batch", stats.pending_rows),
             ("mlx_trio_kv_bytes", "KV cache bytes held by live rows", stats.kv_bytes),
             ("mlx_trio_drains", "drains of the batch for the serial lane", stats.drains),
+            ("mlx_trio_media_requests", "requests with images started", stats.media.requests),
             ("mlx_trio_engine_faults", "engine steps that raised", stats.engine_faults),
             ("mlx_trio_stuck_steps", "engine steps past the watchdog", stats.stuck_steps),
             ("mlx_trio_healthy", "1 when the engine makes progress", int(stats.is_healthy)),

@@ -54,6 +54,8 @@ def sum_usage(usages: list[Usage | None], *, choices_per_prompt: int) -> Usage:
         cached_tokens=sum(u.cached_tokens for u in prompts if u is not None),
         drafted_tokens=sum(u.drafted_tokens for u in usages if u is not None),
         accepted_tokens=sum(u.accepted_tokens for u in usages if u is not None),
+        images=sum(u.images for u in prompts if u is not None),
+        image_pixels=sum(u.image_pixels for u in prompts if u is not None),
     )
 
 

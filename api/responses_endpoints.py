@@ -41,7 +41,7 @@ class ResponsesApi:
 
     async def create(self, request: Request) -> Response:
         settings = self.state.settings
-        data = await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
+        data = await read_json(request, self.state.body_limit(), settings.body_timeout_s)
         items = data.get("input")
         if isinstance(items, list) and len(items) > MAX_MESSAGES:  # before pydantic
             raise HttpError(
@@ -50,7 +50,8 @@ class ResponsesApi:
         body = parse(ResponsesRequest, data, RESPONSES_FIELDS)
         owner = key_index(request)
         history = self._history(body, owner)
-        turns, chat = self._checked(body, lambda: body.chat_turns(history))
+        images = await self.state.load_images(body.image_refs)
+        turns, chat = self._checked(body, lambda: body.chat_turns(history, images))
         submitted = await submit(self.state, request, body, lambda: [chat], id_prefix="resp_")
         rt, handle = submitted.runtime, submitted.handles[0]
         exchange = Exchange(

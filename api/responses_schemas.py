@@ -16,12 +16,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag
 
-from ..engine.errors import InvalidRequestError
+from ..engine.errors import ImageError, InvalidRequestError
 from ..engine.params import Grammar, SamplingParams
+from ..engine.vocabulary.images import ImageInput
 from ..engine.vocabulary.prompt import Chat, ChatMessage
 from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from ..engine.vocabulary.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choice
-from .chat_parts import Body, JsonSchemaFormat, ResponseFormat
+from .chat_parts import Body, JsonSchemaFormat, ResponseFormat, place_images
+from .images import ImageRef
 from .responses_tools import (
     FunctionChoice,
     FunctionTool,
@@ -54,18 +56,36 @@ class InputText(Body):
     text: str
 
 
+class InputImage(Body):
+    """An image (design/031-images.md): ``image_url`` a ``data:`` URL, or ``http(s)`` where
+    the server fetches; ``detail`` is accepted (the model's processor sizes the image)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+    def ref(self, where: str) -> ImageRef:
+        if self.image_url is None:
+            raise ImageError(where, "images by file_id are not served; send image_url")
+        return ImageRef(where, self.image_url)
+
+
 class OtherPart(Body):
-    """A content part of a type not served (``input_image``, ``input_file``, ...)."""
+    """A content part of a type not served (``input_file``, ...)."""
 
     type: str
 
 
 def _part_kind(value: Any) -> str:
-    return "text_part" if type_of(value) in TEXT_KINDS else "other"
+    kind = type_of(value)
+    return "text_part" if kind in TEXT_KINDS else "image_part" if kind == "input_image" else "other"
 
 
 Part = Annotated[
-    Annotated[InputText, Tag("text_part")] | Annotated[OtherPart, Tag("other")],
+    Annotated[InputText, Tag("text_part")]
+    | Annotated[InputImage, Tag("image_part")]
+    | Annotated[OtherPart, Tag("other")],
     Discriminator(_part_kind),
 ]
 
@@ -242,18 +262,33 @@ class ResponsesRequest(_Request):
             return call_grammar(self.offered_tools, self.choice, parallel=self.parallel_tool_calls)
         return None if self.text_format is None else self.text_format.grammar()
 
-    def messages(self) -> list[ChatMessage]:
+    def image_refs(self) -> list[ImageRef]:
+        """``input``'s image parts."""
+        if isinstance(self.input, str):
+            return []
+        return [
+            part.ref(f"input.[{i}].content.[{j}]")
+            for i, item in enumerate(self.input)
+            if isinstance(item, MessageItem) and isinstance(item.content, list)
+            for j, part in enumerate(item.content)
+            if isinstance(part, InputImage)
+        ]
+
+    def messages(self, images: Mapping[str, ImageInput] | None = None) -> list[ChatMessage]:
         """``input`` as chat turns (without ``instructions``): what a later response that
-        names this one continues from, with this one's output."""
+        names this one continues from, with this one's output. Its image parts' bytes are
+        in ``images`` by part path."""
         if isinstance(self.input, str):
             return [ChatMessage("user", self.input)]
-        return input_messages(self.input)
+        return input_messages(self.input, images or {})
 
-    def chat_turns(self, history: Sequence[ChatMessage]) -> tuple[tuple[ChatMessage, ...], Chat]:
+    def chat_turns(
+        self, history: Sequence[ChatMessage], images: Mapping[str, ImageInput] | None = None
+    ) -> tuple[tuple[ChatMessage, ...], Chat]:
         """The turns a response to this body answers (``history``, a previous response's
         turns, then ``input``'s; what a follow-up continues from), and the chat to generate
         from."""
-        turns = (*history, *self.messages())
+        turns = (*history, *self.messages(images))
         return turns, self.chat(turns)
 
     def chat(self, turns: Iterable[ChatMessage]) -> Chat:
@@ -299,6 +334,7 @@ class ResponsesRequest(_Request):
 RESPONSES_FIELDS = fields_of(
     ResponsesRequest,
     InputText,
+    InputImage,
     MessageItem,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -311,13 +347,15 @@ RESPONSES_FIELDS = fields_of(
 )
 
 
-def part_text(content: str | list[Any], param: str) -> str:
+def part_text(content: str | list[Any], param: str, *, keep: type | None = None) -> str:
     """A message's or an output's text (``param`` names it): its text parts joined; other
-    parts are refused."""
+    parts, but those of type ``keep`` (a message's images), are refused."""
     if isinstance(content, str):
         return content
     texts = []
     for i, part in enumerate(content):
+        if keep is not None and isinstance(part, keep):
+            continue
         if not isinstance(part, InputText):
             raise InvalidRequestError(
                 f"{param}.[{i}]: content of type {part.type!r} is not supported by this "
@@ -329,15 +367,20 @@ def part_text(content: str | list[Any], param: str) -> str:
     return "".join(texts)
 
 
-def input_messages(items: list[Any]) -> list[ChatMessage]:
+def input_messages(items: list[Any], images: Mapping[str, ImageInput]) -> list[ChatMessage]:
     """Input items as chat turns: consecutive calls join the assistant turn before them (or
-    make one), each output is a ``tool`` turn, reasoning items are left out."""
+    make one), each output is a ``tool`` turn, reasoning items are left out; a message's
+    image parts come from ``images`` by part path."""
     turns: list[ChatMessage] = []
     for i, item in enumerate(items):
         match item:
             case MessageItem(role=role, content=content):
-                text = part_text(content, f"input.[{i}].content")
-                turns.append(ChatMessage("system" if role == "developer" else role, text))
+                where = f"input.[{i}]"
+                text, placed = part_text(content, f"{where}.content", keep=InputImage), ()
+                if isinstance(content, list) and images:
+                    text, placed = place_images(content, where, images)
+                role = "system" if role == "developer" else role
+                turns.append(ChatMessage(role, text, images=placed))
             case FunctionCallItem(call_id=call_id, name=name, arguments=arguments):
                 call = ToolCall(name, arguments, call_id)
                 last = turns[-1] if turns else None

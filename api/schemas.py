@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..engine.errors import InvalidRequestError
 from ..engine.params import MAX_SEED, Grammar, SamplingParams, Speculation
+from ..engine.vocabulary.images import ImageInput
 from ..engine.vocabulary.prompt import Chat
 from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from ..engine.vocabulary.tools import Tool, ToolChoice, call_grammar, check_choice
@@ -28,6 +29,8 @@ from .chat_parts import (
     CalledFunction,
     FunctionName,
     FunctionSpec,
+    ImageURL,
+    ImageURLPart,
     Message,
     MessageToolCall,
     NamedToolChoice,
@@ -35,6 +38,7 @@ from .chat_parts import (
     TextPart,
     ToolSpec,
 )
+from .images import ImageRef
 
 logger = logging.getLogger(__name__)
 
@@ -278,12 +282,16 @@ class ChatCompletionRequest(_Request):
             case mode:
                 return ToolChoice(mode)
 
-    def chat(self) -> Chat:
+    def image_refs(self) -> list[ImageRef]:
+        return [ref for i, m in enumerate(self.messages) for ref in m.image_refs(f"messages.[{i}]")]
+
+    def chat(self, images: Mapping[str, ImageInput] | None = None) -> Chat:
+        """The chat for the engine, its image parts' bytes from ``images`` (by part path)."""
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         tools = self.offered_tools if self.choice.mode != "none" else ()
         return Chat(
-            tuple(m.chat_message() for m in self.messages),
+            tuple(m.chat_message(f"messages.[{i}]", images) for i, m in enumerate(self.messages)),
             tools,
             effort_kwargs(self.reasoning_effort) | (self.chat_template_kwargs or {}),
         )
@@ -388,6 +396,8 @@ _BODIES: tuple[type[BaseModel], ...] = (
     CompletionRequest,
     Message,
     TextPart,
+    ImageURLPart,
+    ImageURL,
     StreamOptions,
     MessageToolCall,
     CalledFunction,

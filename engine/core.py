@@ -132,12 +132,15 @@ class EngineCore:
         assert self._serial is not None and self._serial_generation is not None
         if self._threads is not None:
             self._threads.begin(shape("decode" if self._serial_prefilled else "prefill", 1))
-        delta = next(self._serial)
-        self._serial_prefilled = True
+        # A prompt with images prefills a chunk a call, its progress alone (design/031).
+        delta = None if self._serial_generation.prefill_step() else next(self._serial)
+        self._serial_prefilled = delta is not None
         if self._threads is not None:
             self._threads.end(1)
         events: list[RowEvent] = list(self._serial_progress)
         self._serial_progress.clear()
+        if delta is None:
+            return events
         stats = self._serial_generation.stats() if delta.finish_reason else None
         events.append(RowOutput(SERIAL_ROW, delta, stats))
         if stats is not None:

@@ -4,7 +4,9 @@
     ├── InvalidRequestError          bad input; carries the offending ``param`` (OpenAI's shape)
     │   ├── ContextLengthExceededError   prompt (+ max_tokens) longer than the model's context
     │   ├── MemoryBudgetExceededError    prompt (+ max_tokens) whose KV can never fit the budget
-    │   └── UnknownAdapterError          a LoRA adapter the engine does not serve
+    │   ├── UnknownAdapterError          a LoRA adapter the engine does not serve
+    │   └── ImageError                   an image that cannot be used: not an image, over a
+    │                                    limit, or sent to a model that takes none
     ├── ModelError                   anything about finding, importing or loading a model
     │   ├── ModelNotFoundError           no such file or directory
     │   ├── UnsupportedModelError        a format, architecture or quantization we cannot load
@@ -129,6 +131,17 @@ class UnknownAdapterError(InvalidRequestError):
             code="adapter_not_found",
         )
         self.name = name
+
+
+class ImageError(InvalidRequestError):
+    """An image part that cannot be used (``param``: the part, in its API's own words, e.g.
+    ``messages[0].content[1]``; the message starts with it): data that is not an image, an
+    image over a byte or pixel limit, a URL that may not be fetched, or any image sent to a
+    model whose processor takes none."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}", param=where, code="invalid_image")
+        self.where = where
 
 
 class ModelError(MlxTrioError):

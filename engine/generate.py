@@ -18,7 +18,6 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .batch.alone import Select, no_adapters
 from .batch.caches import CacheAbilities, tokens_held
@@ -38,15 +37,17 @@ from .model import dequantize as dequantizing
 from .model import fused
 from .model.adapters import Adapters, AdapterSpec, mount
 from .model.loader import LoadedModel, load_model
+from .model.vision import prefill_with_images
 from .outputs import AdapterInfo, Delta, GenerationStats
 from .params import PreparedRequest, SamplingParams, Speculation
+from .preparer import RequestPreparer
 from .speculative.draft_model import load_draft, with_draft
-from .speculative.plan import resolve
+from .speculative.plan import can_speculate, resolve
 from .speculative.steps import open_steps
 from .vocabulary.grammar import grammar_failure
-from .vocabulary.grammar_sandbox import GrammarSandbox, TokenizerSpec
-from .vocabulary.prompt import Prompt, check_fits, check_length_before_rendering, encode_prompt
-from .vocabulary.reply import ReplySyntax
+from .vocabulary.prompt import (
+    Prompt,
+)
 from .vocabulary.sampling import (
     make_row_processors,
     make_row_sampler,
@@ -83,18 +84,53 @@ class Generation:
         self._decoder = RowDecoder(
             engine.tokenizer, request.params, num_prompt_tokens=len(request.prompt_tokens)
         )
+        # A prompt with images: its KV, and its prefill from the embeddings a chunk at a time.
+        self._image_kv: list[Any] = []
+        self._image_prefill: Iterator[int] | None = None
+        if request.images is not None:
+            if engine.vision is None:
+                raise InvalidRequestError("this model takes no images", param="prompt")
+            self._image_kv = engine.new_caches()
+            self._image_prefill = prefill_with_images(
+                engine.vision,
+                list(request.prompt_tokens),
+                request.images,
+                self._image_kv,
+                step=engine.prefill_step_size,
+                on_progress=on_progress,
+            )
+
+    def prefill_step(self) -> bool:
+        """Prefill the next chunk of a prompt with images, before any token: one chunk a call,
+        so that a run can be stopped between them. False when no chunk is left (always, for
+        a text prompt, which ``__iter__`` prefills with its first token)."""
+        if self._image_prefill is None:
+            return False
+        if next(self._image_prefill, None) is None:
+            self._image_prefill = None
+            return False
+        return True
 
     def __iter__(self) -> Iterator[Delta]:
         params = self._request.params
         prompt = list(self._request.prompt_tokens)
-        prompt_cache = self._engine.prompt_cache
+        # A prompt with images is not its tokens alone: it neither reuses nor leaves KV.
+        images = self._request.images
+        prompt_cache = self._engine.prompt_cache if images is None else None
         salt = self._request.cache_partition
         hit = prompt_cache.take(prompt, salt) if prompt_cache is not None else None
-        kv = hit.cache if hit is not None else self._engine.new_caches()
+        kv = hit.cache if hit is not None else self._image_kv or self._engine.new_caches()
         skip = hit.num_tokens if hit is not None else 0
         self._decoder.num_cached_tokens = skip
         on_progress = self._on_progress
-        if prompt_cache is not None and self._engine.caches.checkpoints and len(prompt) - skip > 1:
+        if images is not None:
+            while self.prefill_step():  # what prefill_step calls have not done yet
+                pass
+            on_progress = _offset_progress(on_progress, len(prompt) - 1)
+            skip = len(prompt) - 1
+        elif (
+            prompt_cache is not None and self._engine.caches.checkpoints and len(prompt) - skip > 1
+        ):
             # The only entry a request like this one can reuse is its prompt but the last token
             # (engine/batch/caches.py): prefilled here, kept, then generate_step goes on from there.
             done = self._prefill(prompt[skip:-1], kv, len(prompt) - skip)
@@ -111,7 +147,8 @@ class Generation:
             sampler=with_injected_fault(make_row_sampler(params), self._request),
             processors=processors,
             prefill_step_size=self._engine.prefill_step_size,
-            speculation=self._engine.speculation_for(params),
+            # A prompt with images steps plain: its positions are the vision model's (M-RoPE).
+            speculation=None if images is not None else self._engine.speculation_for(params),
             on_progress=on_progress,
             counts=self._decoder.drafts,
             draft_model=self._engine.draft_model,
@@ -174,82 +211,6 @@ def _offset_progress(on_progress: ProgressCallback | None, done: int) -> Progres
     return lambda processed, total: on_progress(processed + done, total + done)
 
 
-class RequestPreparer:
-    """What ``prepare`` needs of a model, its tokenizer and context length, without its weights:
-    an engine process's parent tokenizes with one while the model lives in the child."""
-
-    def __init__(
-        self, tokenizer: TokenizerWrapper, context_length: int, *, has_draft_model: bool = False
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.context_length = context_length
-        self.has_draft_model = has_draft_model
-        self.vocab_size = len(tokenizer)
-
-    def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
-        """Tokenize and check a request; raises :class:`InvalidRequestError` subclasses."""
-        self.check_params(params)
-        check_length_before_rendering(prompt, self.context_length)
-        tokens = encode_prompt(self.tokenizer, prompt)
-        if not tokens:
-            raise InvalidRequestError("prompt encodes to no tokens", param="prompt")
-        check_fits(len(tokens), params.max_tokens, self.context_length)
-        return PreparedRequest(prompt_tokens=tuple(tokens), params=params)
-
-    def check_params(self, params: SamplingParams) -> None:
-        """The bounds that depend on the model: token ids inside the vocabulary, ``top_k``
-        below its size (0 turns top-k off)."""
-        size = self.vocab_size
-        if params.top_k >= size:
-            raise InvalidRequestError(
-                f"top_k must be below the vocabulary size ({size}), or 0 to turn it off; "
-                f"got {params.top_k}",
-                param="top_k",
-            )
-        for param, tokens in (
-            ("logit_bias", params.logit_bias),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            for token in tokens:
-                if token >= size:
-                    raise InvalidRequestError(
-                        f"{param} token id {token} is outside the vocabulary (size {size})",
-                        param=param,
-                    )
-        if params.grammar is not None:
-            self.grammar_sandbox.check(params.grammar)
-        spec = params.speculative
-        if spec is not None and spec.method == "draft_model" and not self.has_draft_model:
-            raise InvalidRequestError(
-                "speculative.method draft_model needs a server started with --draft-model",
-                param="speculative.method",
-            )
-
-    @functools.cached_property
-    def grammar_sandbox(self) -> GrammarSandbox:
-        """Where a request's grammar is compiled first
-        (``engine/vocabulary/grammar_sandbox.py``)."""
-        return GrammarSandbox(TokenizerSpec.of(self.tokenizer))
-
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids with no check of its length (for counting)."""
-        return encode_prompt(self.tokenizer, prompt)
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise InvalidRequestError(
-                f"token ids must be from 0 to {self.vocab_size - 1}", param="tokens"
-            )
-        return self.tokenizer.decode(list(token_ids))
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    @functools.cached_property
-    def reply_syntax(self) -> ReplySyntax:
-        return ReplySyntax.of(self.tokenizer)
-
-
 class Engine:
     """A loaded model and what can be done with it, one call at a time."""
 
@@ -289,21 +250,11 @@ class Engine:
             _check_scheme(self.model, self.new_caches(), kv_scheme)
         logger.info("%s: %s; %s", loaded.model_id, self.caches.describe(), kv_scheme.describe())
         self.speculation = speculation
-        # A rejected draft's tokens are trimmed back out of the caches (design/032).
-        self.can_speculate = self.caches.rewind and not self.caches.checkpoints
-        if not self.can_speculate:
-            logger.info("speculative decoding off: the model's caches cannot be trimmed back")
-        elif (default := resolve(None, speculation)) is not None:
-            logger.info(
-                "speculative decoding by default: %s, up to %d tokens a step%s",
-                default.method,
-                default.num_draft_tokens,
-                f", n-grams of {default.ngram_size} down to 2"
-                if default.method == "prompt_lookup"
-                else "",
-            )
+        self.can_speculate = can_speculate(self.caches, speculation)
+        self.vision = loaded.vision
+        processor = None if loaded.vision is None else loaded.vision.processor
         self.preparer = RequestPreparer(
-            loaded.tokenizer, loaded.context_length, has_draft_model=draft is not None
+            loaded.tokenizer, loaded.context_length, processor, has_draft_model=draft is not None
         )
         # Over several ranks: rank 0 sends its calls to the others (engine/ranks/distributed.py).
         self.lockstep: Lockstep | None = None
@@ -361,7 +312,13 @@ class Engine:
         draft = None
         if draft_model is not None:
             draft = load_draft(draft_model, loaded, device=device, dequantize=dequantize)
-        if (split is None or fuse) and fused.wanted(loaded.device, given=fuse):
+        # A vision model's language model is mlx-vlm's, whose attention reads its projections
+        # itself: not fused (design/031-images.md).
+        if (
+            (split is None or fuse)
+            and loaded.vision is None
+            and fused.wanted(loaded.device, given=fuse)
+        ):
             fused.fuse_projections(loaded.model)
         mounted = mount(loaded.model, adapters) if adapters else None
         budget = default_budget(

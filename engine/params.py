@@ -12,9 +12,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from .vocabulary.images import PreparedImages
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
@@ -192,7 +195,9 @@ class PreparedRequest:
     one token fewer by then, as the batch draws a step ahead). Clients never set it.
     ``cache_salt``: the prompt cache's partition (``PromptCache``): a request reuses only what
     requests of the same salt left (None: the shared one). ``adapter``: the LoRA adapter it
-    runs with, by the name it is served as (None: the base model).
+    runs with, by the name it is served as (None: the base model). ``images``: the prompt's
+    images as its vision model takes them (None: a text prompt); such a request runs on the
+    serial lane, prefilled from its embeddings, and never meets the prompt cache.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -200,6 +205,7 @@ class PreparedRequest:
     fail_sampler_at: int | None = None
     cache_salt: str | None = None
     adapter: str | None = None
+    images: PreparedImages | None = None
 
     @property
     def cache_partition(self) -> str | None:

@@ -48,12 +48,17 @@ mlx_version() {
     .venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx"))'
 }
 
+MLX_VLM_VERSION=0.7.10
 PYTHON="${PYTHON:-python3}"
 pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
 [[ -x .venv/bin/python ]] || run "$PYTHON" -m venv .venv
 spec="."
 if (( ${#extras[@]} )); then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
 run "${pip[@]}" install -e "$spec"
+# Vision-language models (design/031-images.md): mlx-vlm pinned, without its declared
+# dependencies (datasets, opencv-python, mlx-audio, fastapi, ...), which the parts used here do
+# not import; Pillow and requests, which they do, are mlx-trio's own dependencies.
+run "${pip[@]}" install --no-deps "mlx-vlm==$MLX_VLM_VERSION"
 # The base dependencies pull mlx-cpu on Linux (mlx alone has no libmlx.so there), so a CUDA
 # install always has the CPU wheel to remove.
 if [[ "$MLX_TRIO_BACKEND" == cuda ]] || { [[ -n "$other" ]] && installed "$other"; }; then

@@ -271,9 +271,9 @@ def error_of(answer: httpx.Response) -> tuple[int, str, str]:
             {
                 "model": MODEL,
                 "max_tokens": 4,
-                "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+                "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}],
             },
-            "messages.[0].content.[0]: content blocks of type 'image' are not supported",
+            "messages.[0].content.[0]: content blocks of type 'document' are not supported",
         ),
         (
             {

@@ -180,7 +180,7 @@ BAD_PARAMS = [
     (chat_body(messages=[{"role": "user"}, {"content": "x"}]), "messages.[1].role"),
     (
         chat_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
-        "messages.[0].content.[0].type",
+        "messages.[0].content.[0].image_url",
     ),
     (completion_body(logprobs=50), "logprobs"),
     (completion_body(logprobs=-1), "logprobs"),

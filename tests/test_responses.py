@@ -299,7 +299,7 @@ def test_an_unknown_or_unstored_previous_response_is_a_404_naming_it(sdk):
         ),
         ({"tools": [LOOKUP, {"type": "custom", "name": "x"}]}, "tools.[1].type", "unsupported"),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input.[0].content.[0].type",
             "unsupported",
         ),

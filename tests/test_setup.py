@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 SETUP = Path(__file__).parent.parent / "scripts" / "setup.sh"
+# Vision models' library, without its declared dependencies (design/031-images.md).
+MLX_VLM = "install --no-deps mlx-vlm==0.7.10"
 
 LINUX = pytest.mark.skipif(os.uname().sysname != "Linux", reason="MLX's backend wheels are Linux's")
 
@@ -51,6 +53,7 @@ def test_a_gpu_gets_the_cuda_backend_and_loses_the_cpu_one(tmp_path):
     result = dry_run(tmp_path, GPU, "--test")
     assert pip_steps(result) == [
         "install -e .[test,cuda]",
+        MLX_VLM,
         "uninstall -y mlx-cpu",
         "install --force-reinstall --no-deps mlx-cuda-13==<installed mlx version>",
     ]
@@ -61,9 +64,9 @@ def test_a_gpu_gets_the_cuda_backend_and_loses_the_cpu_one(tmp_path):
 def test_no_gpu_gets_the_cpu_backend_alone(tmp_path):
     result = dry_run(tmp_path, NO_GPU)
     steps = pip_steps(result)
-    assert steps[0] == "install -e ."
+    assert steps[:2] == ["install -e .", MLX_VLM]
     # The CUDA wheel goes only where this venv has it, from an earlier CUDA set-up.
-    assert steps[1:] in (
+    assert steps[2:] in (
         [],
         [
             "uninstall -y mlx-cuda-13",

@@ -13,9 +13,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_trio.engine.errors import UnsupportedModelError
-from mlx_trio.engine.generate import Engine, RequestPreparer
+from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.model.loader import LoadedModel
 from mlx_trio.engine.model.random_model import byte_level_tokenizer, in_memory, random_llama
+from mlx_trio.engine.preparer import RequestPreparer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]

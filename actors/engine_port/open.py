@@ -14,10 +14,10 @@ import trio
 
 from ...engine.calls import EngineStarted
 from ...engine.devices import runs_on_gpu
-from ...engine.generate import RequestPreparer
 from ...engine.model.loader import load_tokenizer_only
 from ...engine.model.model_store import resolve_model
 from ...engine.options import CoreRecipe, EngineOptions
+from ...engine.preparer import RequestPreparer
 from ...engine.primers import KernelPrimers
 from ..config import RuntimeConfig
 from .port import CorePort, Transport
@@ -89,6 +89,7 @@ async def open_engine(
                         preparer = RequestPreparer(
                             loaded.tokenizer,
                             loaded.context_length,
+                            loaded.processor,
                             has_draft_model=options.draft_model is not None,
                         )
                     assert reply.value is not None

@@ -41,9 +41,9 @@ from ...engine.calls import (
     SerialStop,
 )
 from ...engine.errors import EngineError, EngineUnavailableError
-from ...engine.generate import RequestPreparer
 from ...engine.outputs import AdapterInfo, PromptCacheStatistics, RowEvent
 from ...engine.params import PreparedRequest, SamplingParams
+from ...engine.preparer import RequestPreparer
 from ...engine.vocabulary.prompt import Prompt
 from ...engine.vocabulary.reply import ReplySyntax
 from ...engine.vocabulary.sampling_defaults import SamplingDefaults
@@ -263,6 +263,10 @@ class CorePort:
     def reply_syntax(self) -> ReplySyntax:
         return self._the_preparer().reply_syntax
 
+    @property
+    def takes_images(self) -> bool:
+        return self._preparer is not None and self._preparer.processor is not None
+
     def _the_preparer(self) -> RequestPreparer:
         if self._preparer is None:
             raise EngineError("this engine port was started without a tokenizer")
@@ -273,6 +277,8 @@ class CorePort:
         return "serial" if self._started.unbatchable is not None else "batch"
 
     def unbatchable_reason(self, request: PreparedRequest) -> str | None:
+        if request.images is not None:  # prefilled from its embeddings (design/031)
+            return "images"
         return self._started.unbatchable
 
     def loop_cpu_s(self) -> float:

@@ -31,8 +31,8 @@ import trio
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
 from ...engine.child import serve_engine
 from ...engine.errors import EngineProcessError
-from ...engine.generate import RequestPreparer
 from ...engine.options import CoreRecipe
+from ...engine.preparer import RequestPreparer
 from ...engine.ranks.rank_group import RankGroup
 from .port import CallClock, CorePort
 from .ranks import open_rank_group

@@ -153,6 +153,10 @@ class FaultyEngine:
     def reply_syntax(self) -> ReplySyntax:
         return self.inner.reply_syntax()
 
+    @property
+    def takes_images(self) -> bool:
+        return self.inner.takes_images
+
     def liveness(self) -> EngineLiveness:
         return self.inner.liveness()
 

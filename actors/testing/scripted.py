@@ -190,6 +190,10 @@ class ScriptedEngine:
     def reply_syntax(self) -> ReplySyntax:
         return self._reply_syntax
 
+    @property
+    def takes_images(self) -> bool:
+        return False
+
     def prompt_cache_statistics(self) -> None:
         return None
 

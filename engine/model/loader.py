@@ -33,6 +33,7 @@ from ..errors import InvalidRequestError, UnsupportedModelError
 from ..vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from .gguf import Progress
 from .model_store import resolve_model
+from .vision import VisionParts, load_processor, load_vision_model, takes_images
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,9 @@ _FALLBACK_CONTEXT = 2048
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     """A model and tokenizer in memory, evaluated and ready to generate; ``sampling_defaults``
-    are those of its ``generation_config.json``."""
+    are those of its ``generation_config.json``. ``vision``: a vision-language model's vision
+    tower and processor (``vision.py``; None: a text model), ``model`` being its language
+    model."""
 
     model: nn.Module
     tokenizer: TokenizerWrapper
@@ -54,6 +57,7 @@ class LoadedModel:
     device: str
     sampling_defaults: SamplingDefaults = NO_DEFAULTS
     weights: str = ""  # the weights' form where it is not the checkpoint's (dequantized, say)
+    vision: VisionParts | None = None
 
     @property
     def form(self) -> str:
@@ -83,8 +87,14 @@ def load_model(
     """
     on_cpu = _select_device(device)
     resolved = resolve_model(spec, progress=progress)
+    vision: VisionParts | None = None
     try:
-        model, config = mlx_lm_load_model(resolved.path, lazy=split is not None)
+        if takes_images(resolved.path):
+            if split is not None:
+                raise UnsupportedModelError("a vision model cannot be split over ranks yet")
+            model, vision, config = load_vision_model(resolved.path, resolved.model_id)
+        else:
+            model, config = mlx_lm_load_model(resolved.path, lazy=split is not None)
         if split is not None:
             split(model)
         tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
@@ -97,14 +107,17 @@ def load_model(
             message = f"mlx-lm could not load model {resolved.model_id!r} ({type(exc).__name__})"
         raise UnsupportedModelError(message) from exc
     weights = ""
+    whole = model if vision is None else vision.model  # a vision model's tower too
     if on_cpu:
-        if bits := quantized_bits(model):
+        if bits := quantized_bits(whole):
             weights = f"float32, {dequantized_from(bits)}"
         # Scales go to float32 first: dequantizing from float16 is much slower on CPU (design/024).
-        model.set_dtype(mx.float32)
-        model = dequantize_model(model)
+        whole.set_dtype(mx.float32)
+        whole = dequantize_model(whole)
+        if vision is None:
+            model = whole
     if on_cpu or split is not None:
-        mx.eval(model.parameters())
+        mx.eval(whole.parameters())
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -116,6 +129,7 @@ def load_model(
         device="cpu" if on_cpu else "gpu",
         sampling_defaults=SamplingDefaults.read(resolved.path),
         weights=weights,
+        vision=vision,
     )
     logger.info(
         "loaded %s on %s (%s%s, context %d)",
@@ -165,6 +179,7 @@ class LoadedTokenizer:
     tokenizer: TokenizerWrapper
     model_id: str
     context_length: int
+    processor: Any = None  # a vision model's (``vision.load_processor``)
 
 
 def load_tokenizer_only(spec: str | None, *, progress: Progress | None = None) -> LoadedTokenizer:
@@ -174,10 +189,12 @@ def load_tokenizer_only(spec: str | None, *, progress: Progress | None = None) -
     try:
         config = load_config(resolved.path)
         tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
+        processor = load_processor(resolved.path) if takes_images(resolved.path) else None
     except (ValueError, KeyError, OSError) as exc:
         message = f"mlx-lm could not load the tokenizer of {resolved.model_id!r}"
         raise UnsupportedModelError(f"{message} ({type(exc).__name__})") from exc
-    return LoadedTokenizer(tokenizer, resolved.model_id, _context_length(config, tokenizer))
+    context = _context_length(config, tokenizer)
+    return LoadedTokenizer(tokenizer, resolved.model_id, context, processor)
 
 
 def _select_device(device: Device) -> bool:

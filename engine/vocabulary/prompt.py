@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import ContextLengthExceededError, InvalidRequestError
+from .images import ImageInput
 from .tools import (
     RESPONSE_END,
     RESPONSE_START,
@@ -52,12 +53,22 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     """One turn. An assistant turn may carry the ``tool_calls`` it made; a ``tool`` turn is
-    the result of the call ``tool_call_id``."""
+    the result of the call ``tool_call_id``. ``images``: the images among its ``content``,
+    each with the character of the text it comes before (``PlacedImage``)."""
 
     role: str
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    images: tuple[PlacedImage, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedImage:
+    """An image of a message, before the character ``at`` of its text."""
+
+    at: int
+    image: ImageInput
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +122,14 @@ def check_messages(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> list[
     return checked
 
 
+def prompt_images(prompt: Prompt) -> list[ImageInput]:
+    """The images of a chat prompt's messages, in order (none for a text prompt)."""
+    if isinstance(prompt, str):
+        return []
+    messages = prompt.messages if isinstance(prompt, Chat) else prompt
+    return [placed.image for m in messages for placed in getattr(m, "images", ())]
+
+
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
     """Token ids for a plain completion prompt (a string) or a chat (a list of messages).
 
@@ -124,6 +143,14 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         ids = tokenizer.encode(prompt, add_special_tokens=True)
         return ids if ids else tokenizer.encode(prompt, add_special_tokens=False)
+    return render_chat(tokenizer, prompt, tokenize=True)
+
+
+def render_chat(
+    tokenizer: TokenizerWrapper, prompt: Sequence[ChatMessage] | Chat, *, tokenize: bool
+) -> Any:
+    """A chat through the model's template (see :func:`encode_prompt`): its token ids, or
+    with ``tokenize`` false its text (where a processor still has images to put in)."""
     chat = prompt if isinstance(prompt, Chat) else Chat(tuple(prompt))
     messages = check_messages(chat.messages)
     native = tokenizer.has_chat_template and tokenizer.has_tool_calling
@@ -131,14 +158,17 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
         messages = generic_tool_turns(messages, chat.tools)
     if not tokenizer.has_chat_template:
         text = "\n".join(f"{m.role}: {m.content}" for m in messages) + "\nassistant:"
-        return tokenizer.encode(text, add_special_tokens=True)
+        return tokenizer.encode(text, add_special_tokens=True) if tokenize else text
     kwargs = dict(chat.template_kwargs)
     if native and chat.tools:
         kwargs["tools"] = [t.openai() for t in chat.tools]
     try:
-        return list(
+        return (list if tokenize else str)(
             tokenizer.apply_chat_template(
-                [template_message(m) for m in messages], add_generation_prompt=True, **kwargs
+                [template_message(m) for m in messages],
+                add_generation_prompt=True,
+                tokenize=tokenize,
+                **kwargs,
             )
         )
     except TypeError as exc:  # a key that is a parameter of some call on the way
@@ -159,6 +189,8 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
 def template_message(message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it (OpenAI's shape, a call's arguments as a value)."""
     out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.images:
+        out["content"] = content_parts(message)
     if message.tool_calls:
         out["tool_calls"] = [
             {
@@ -171,6 +203,21 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def content_parts(message: ChatMessage) -> list[dict[str, str]]:
+    """A message with images as a list of parts, as vision models' templates read it:
+    ``{"type": "text", "text": ...}`` and ``{"type": "image"}``, in the order sent."""
+    parts: list[dict[str, str]] = []
+    done = 0
+    for placed in message.images:
+        if placed.at > done:
+            parts.append({"type": "text", "text": message.content[done : placed.at]})
+            done = placed.at
+        parts.append({"type": "image"})
+    if done < len(message.content):
+        parts.append({"type": "text", "text": message.content[done:]})
+    return parts
 
 
 def generic_tool_turns(messages: list[ChatMessage], tools: Sequence[Tool]) -> list[ChatMessage]:

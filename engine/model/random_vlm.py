@@ -1,0 +1,105 @@
+"""A tiny random Qwen2-VL checkpoint for mlx-vlm, written to a folder (no download): its config,
+weights, byte-level tokenizer with the vision tokens, chat template and image processor config,
+as a hub checkpoint has them; the images tests' and benchmark's vision model
+(design/031-images.md). Images change its greedy text (its weights are large enough that what
+it sees counts), and its head writes printable ASCII only (its other rows are zero, below the
+printable ones' maximum), so that every server's detokenizer shows the same text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+from .random_model import byte_level_tokenizer
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION_TOKENS]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The byte-level alphabet sorted: its first 94 symbols are the printable bytes ! to ~.
+PRINTABLE_IDS = 94
+MAX_PIXELS = 28 * 28 * 16  # the processor resizes to at most 16 merged patches
+
+
+def save_random_vlm(path: Path, *, seed: int = 0, max_pixels: int = MAX_PIXELS) -> Path:
+    """The checkpoint in ``path`` (made if need be); ``--model`` and ``mlx_vlm.load`` load it.
+    ``max_pixels``: what its processor resizes a larger image down to (28 x 28 a token)."""
+    from mlx_vlm.models import qwen2_vl
+
+    path.mkdir(parents=True, exist_ok=True)
+    wrapper = byte_level_tokenizer([], SPECIALS, eos_token="<|im_end|>")
+    tokenizer = wrapper._tokenizer
+    tokenizer.pad_token = "<|endoftext|>"
+    tokenizer.save_pretrained(str(path))
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
+    config = {
+        "model_type": "qwen2_vl",
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": len(tokenizer),
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]},
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 1024,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "bos_token_id": ids["<|endoftext|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "vision_config": {
+            "model_type": "qwen2_vl",
+            "depth": 1,
+            "embed_dim": 16,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+            "mlp_ratio": 2,
+        },
+    }
+    (path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    processor_config = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_pixels": 56 * 56,
+        "max_pixels": max_pixels,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(processor_config), encoding="utf-8")
+    model_config = qwen2_vl.ModelConfig.from_dict(dict(config))
+    model_config.text_config = qwen2_vl.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(model_config.vision_config)
+    model = qwen2_vl.Model(model_config)
+    mx.random.seed(seed)
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.5, model.parameters()))
+    head = model.language_model.lm_head.weight
+    printable = mx.arange(head.shape[0])[:, None] < PRINTABLE_IDS
+    model.language_model.lm_head.weight = mx.where(printable, head, 0.0)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path

@@ -1,0 +1,188 @@
+"""Vision-language models through mlx-vlm (design/031-images.md).
+
+A checkpoint whose ``config.json`` has a ``vision_config`` is loaded by mlx-vlm: its vision
+tower, its language model and its processor. The engine runs the language model as any other
+model (:class:`LanguageModelOnly`: tokens in, logits out, mlx-lm's caches), so text-only
+requests batch as they do on a text model; a request with images is prefilled from the
+embeddings the whole model makes of its tokens and pixels (:func:`prefill_with_images`), on
+the serial lane, then decodes as text.
+
+The families here are those whose language model places tokens with M-RoPE (three position
+components, text tokens on the diagonal): the wrapper gives every token its explicit position,
+``offset + i`` on all three, and an image prompt's positions are shifted by the constant
+that makes its last token's position its index, which RoPE, relative, does not see. Others
+are refused at load, by name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import UnsupportedModelError
+from ..vocabulary.images import PreparedImages
+
+logger = logging.getLogger(__name__)
+
+# mlx-vlm model types whose language model takes explicit M-RoPE ``position_ids``.
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass(frozen=True, slots=True)
+class VisionParts:
+    """What a vision-language model adds to its language model: mlx-vlm's whole model (the
+    vision tower and the embeddings) and the processor that turns images into its input."""
+
+    model: nn.Module
+    processor: Any
+    family: str
+
+
+def vision_family(path: Path) -> str | None:
+    """The model type of the checkpoint at ``path`` where it is a vision-language model (its
+    config has a ``vision_config``), else None."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not isinstance(config.get("vision_config"), dict):
+        return None
+    return str(config.get("model_type"))
+
+
+def takes_images(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` loads here as a vision model: a vision-language
+    model of a family in ``FAMILIES``, with mlx-vlm installed. Others load through mlx-lm as
+    they did before images (Qwen3.5, Gemma 3, Mistral 3 and others: mlx-lm drops their vision
+    weights), their language model serving text, and an image request to them is refused."""
+    family = vision_family(path)
+    if family is None:
+        return False
+    if family not in FAMILIES:
+        logger.info(
+            "%s: a vision model of type %r, whose images this server does not take yet "
+            "(it takes %s); its language model serves text",
+            path.name,
+            family,
+            ", ".join(FAMILIES),
+        )
+        return False
+    if importlib.util.find_spec("mlx_vlm") is None:
+        logger.warning(
+            "%s: a vision model, and mlx-vlm is not installed (scripts/setup.sh installs it); "
+            "its language model serves text",
+            path.name,
+        )
+        return False
+    return True
+
+
+def load_vision_model(path: Path, model_id: str) -> tuple[nn.Module, VisionParts, dict[str, Any]]:
+    """Load the checkpoint at ``path`` with mlx-vlm: the language model as the engine runs
+    it, the vision parts, and the config (:func:`takes_images` first). Raises
+    ``UnsupportedModelError`` for a checkpoint mlx-vlm cannot build."""
+    from mlx_vlm.utils import load_config
+    from mlx_vlm.utils import load_model as vlm_load_model
+
+    config = load_config(path)
+    family = config.get("model_type")
+    try:
+        model = vlm_load_model(path)
+        processor = load_processor(path)
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        logger.warning("mlx-vlm could not load %s: %s", model_id, exc)
+        raise UnsupportedModelError(
+            f"mlx-vlm could not load model {model_id!r} ({type(exc).__name__})"
+        ) from exc
+    return LanguageModelOnly(model.language_model), VisionParts(model, processor, family), config
+
+
+def load_processor(path: Path) -> Any:
+    """The checkpoint's processor (mlx-vlm's, as ``mlx_vlm.load`` makes it), for preparing
+    requests; offline where the files are all there."""
+    from mlx_vlm.utils import load_processor as vlm_load_processor
+
+    return vlm_load_processor(path, add_detokenizer=False)
+
+
+class LanguageModelOnly(nn.Module):
+    """A vision model's language model as mlx-lm calls a model: ``model(tokens, cache=...)``
+    gives logits, every token at its explicit position (its cache's offset on), so rows of a
+    batch, each at its own offset, and decode after an image prefill place tokens right."""
+
+    def __init__(self, language_model: nn.Module) -> None:
+        super().__init__()
+        self.language_model = language_model
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.language_model.layers
+
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, input_embeddings: Any = None
+    ) -> mx.array:
+        offset = cache[0].offset if cache else 0
+        out = self.language_model(
+            inputs,
+            inputs_embeds=input_embeddings,
+            cache=cache,
+            position_ids=text_positions(offset, *inputs.shape),
+        )
+        return out.logits
+
+
+def text_positions(offset: int | mx.array, batch: int, length: int) -> mx.array:
+    """M-RoPE positions (3, batch, length) of text tokens after ``offset`` (one per row where
+    it is an array, as a batch's caches keep it)."""
+    steps = mx.arange(length)
+    if isinstance(offset, mx.array) and offset.ndim > 0:
+        rows = offset.reshape(-1, 1) + steps
+    else:
+        rows = mx.broadcast_to(int(offset) + steps, (batch, length))
+    return mx.broadcast_to(rows[None], (3, batch, length))
+
+
+def prefill_with_images(
+    parts: VisionParts,
+    tokens: list[int],
+    images: PreparedImages,
+    kv: list[Any],
+    *,
+    step: int,
+    on_progress: Callable[[int, int], None] | None,
+) -> Iterator[int]:
+    """Prefill ``kv`` with a prompt's ``tokens`` but the last, from the embeddings the whole
+    model makes of its tokens and ``images``, in chunks of ``step`` tokens, yielding the
+    tokens done after each (lazy: nothing runs until iterated; closed early, it stops between
+    chunks). The last token then decodes through :class:`LanguageModelOnly` at its index."""
+    model = parts.model
+    ids = mx.array(tokens)[None]
+    arrays = {k: mx.array(v) for k, v in images.arrays.items()}
+    features = model.get_input_embeddings(ids, arrays.pop("pixel_values"), **arrays)
+    embeds = features.inputs_embeds
+    positions = features.position_ids - features.rope_deltas.reshape(1, -1, 1)
+    mx.eval(embeds, positions)
+    total = len(tokens)
+    for start in range(0, total - 1, step):
+        end = min(start + step, total - 1)
+        model.language_model(
+            ids[:, start:end],
+            inputs_embeds=embeds[:, start:end],
+            cache=kv,
+            position_ids=positions[:, :, start:end],
+        )
+        mx.eval([c.state for c in kv])
+        if on_progress is not None:
+            on_progress(end, total)
+        yield end
