@@ -78,12 +78,16 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Tokens in and out; ``images`` and ``image_pixels``: what a prompt's images were (as
-    sent, before the model's processor resized them)."""
+    """Tokens in and out; ``drafted_tokens``: tokens speculative decoding proposed,
+    ``accepted_tokens``: those the model kept (both 0 for a session that did not speculate);
+    ``images`` and ``image_pixels``: what a prompt's images were (as sent, before the model's
+    processor resized them)."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     images: int = 0
     image_pixels: int = 0
 

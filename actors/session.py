@@ -165,7 +165,7 @@ class Session:
                         assert delta.finish_reason is not None
                         return Completed(
                             finish_reason=delta.finish_reason,
-                            usage=self._usage(cached=stats.cached_tokens),
+                            usage=self._usage(stats),
                             timings=self._timings(),
                             lane=self.lane,
                             committed_tokens=self._consumer.num_sent_tokens,
@@ -277,12 +277,14 @@ class Session:
         self.state = "terminal"
         self.done.set()
 
-    def _usage(self, cached: int = 0) -> Usage:
+    def _usage(self, stats: GenerationStats | None = None) -> Usage:
         images = self.request.images
         return Usage(
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=self._num_generated,
-            cached_tokens=cached,
+            cached_tokens=stats.cached_tokens if stats else 0,
+            drafted_tokens=stats.drafted_tokens if stats else 0,
+            accepted_tokens=stats.accepted_tokens if stats else 0,
             images=0 if images is None else images.num_images,
             image_pixels=0 if images is None else images.num_pixels,
         )

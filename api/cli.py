@@ -24,6 +24,7 @@ from .cli_flags import (
     add_kv_bits,
     add_memory_limit,
     add_sampling_flags,
+    add_speculative,
     engine_options,
     flag_defaults,
     sampling_params,
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory_limit(generate)
     add_adapter_path(generate)
     add_kv_bits(generate)
+    add_speculative(generate)
     add_sampling_flags(generate)
     add_rank_flags(generate)
 

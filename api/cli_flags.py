@@ -8,7 +8,14 @@ import argparse
 
 from ..engine.errors import AdapterError
 from ..engine.options import KV_BITS, KV_GROUP_SIZES, AdapterSpec, EngineOptions
-from ..engine.params import MAX_STOP_STRINGS, SamplingParams
+from ..engine.params import (
+    MAX_DRAFT_TOKENS,
+    MAX_NGRAM_SIZE,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+    Speculation,
+)
+from ..engine.speculative.plan import DEFAULT_NGRAM_SIZE, DEFAULT_NUM_DRAFT_TOKENS
 from ..engine.vocabulary.sampling_defaults import SamplingDefaults
 from .cli_args import (
     MAX_TOKENS,
@@ -18,6 +25,7 @@ from .cli_args import (
     integer,
     logit_bias,
     memory_limit,
+    model,
     nonempty,
     number,
     sampling,
@@ -208,6 +216,55 @@ def add_kv_bits(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_speculative(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding (design/032)")
+    group.add_argument(
+        "--speculative",
+        choices=["prompt_lookup", "draft_model", "none"],
+        default=None,
+        help="how a request that does not say (its `speculative` field) drafts tokens for the "
+        "model to verify in one forward: prompt_lookup, the tokens after the latest earlier "
+        "match of its last tokens in its prompt and output (pays where output repeats input: "
+        "edits, rewrites); the serial lane and a lone batch row speculate, a batch of several "
+        "steps plain; draft_model, --draft-model's greedy tokens (default: draft_model with "
+        "--draft-model, else none)",
+    )
+    group.add_argument(
+        "--draft-model",
+        type=model,
+        default=None,
+        metavar="DIR|ID",
+        help="a small model sharing the model's tokenizer (checked at start), loaded beside it "
+        "to draft tokens; its KV is kept beside each row's and counted in the memory budget "
+        "(default: none)",
+    )
+    group.add_argument(
+        "--num-draft-tokens",
+        type=integer(1, MAX_DRAFT_TOKENS),
+        default=None,
+        help=f"tokens drafted a step at most (default: {DEFAULT_NUM_DRAFT_TOKENS})",
+    )
+    group.add_argument(
+        "--ngram-size",
+        type=integer(2, MAX_NGRAM_SIZE),
+        default=None,
+        help=f"prompt lookup matches the last this many tokens, down to 2 "
+        f"(default: {DEFAULT_NGRAM_SIZE})",
+    )
+
+
+def speculation(args: argparse.Namespace) -> Speculation | None:
+    """The server's default speculation (None: none given)."""
+    method = getattr(args, "speculative", None)
+    if method is None and getattr(args, "draft_model", None) is not None:
+        method = "draft_model"
+    draft = getattr(args, "num_draft_tokens", None)
+    ngram = getattr(args, "ngram_size", None)
+    if method is None and draft is None and ngram is None:
+        return None
+    return Speculation(method or "none", draft, ngram)
+
+
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine's options the flags give (``EngineOptions``' defaults for the rest)."""
     engine = getattr(args, "engine", None)
@@ -228,4 +285,6 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         adapters=adapters or None,
         kv_bits=getattr(args, "kv_bits", None),
         kv_group_size=getattr(args, "kv_group_size", None),
+        speculation=speculation(args),
+        draft_model=getattr(args, "draft_model", None),
     )

@@ -75,11 +75,14 @@ def _log_outcome(model_id: str, outcome: Outcome) -> None:
     usage, timings = outcome.usage, outcome.timings
     rate = usage.completion_tokens / timings.decode_s if timings.decode_s > 0 else 0.0
     logger.info(
-        "%s: %d prompt tokens, %d generated (finish: %s), prefill %.2f s, decode %.1f tok/s",
+        "%s: %d prompt tokens, %d generated (finish: %s), prefill %.2f s, decode %.1f tok/s%s",
         model_id,
         usage.prompt_tokens,
         usage.completion_tokens,
         outcome.finish_reason,
         timings.prefill_s or 0.0,
         rate,
+        f"; drafted {usage.drafted_tokens}, accepted {usage.accepted_tokens}"
+        if usage.drafted_tokens
+        else "",
     )

@@ -26,6 +26,7 @@ from .cli_flags import (
     add_device,
     add_kv_bits,
     add_memory_limit,
+    add_speculative,
     engine_options,
     flag_defaults,
     lora_spec,
@@ -229,6 +230,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     )
     add_memory_limit(serve)
     add_kv_bits(serve)
+    add_speculative(serve)
     add_rank_flags(serve)
 
 

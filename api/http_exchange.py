@@ -93,6 +93,8 @@ class Exchange:
             case Completed(usage=usage, timings=timings):
                 metrics.requests.labels(endpoint, "completed").inc()
                 metrics.prompt_tokens.inc(usage.prompt_tokens)
+                metrics.drafted_tokens.inc(usage.drafted_tokens)
+                metrics.accepted_tokens.inc(usage.accepted_tokens)
                 metrics.generated_tokens.inc(usage.completion_tokens)
                 if timings.ttft_s is not None:
                     metrics.ttft.observe(timings.ttft_s)
@@ -111,8 +113,10 @@ class Exchange:
         first = min(completed, key=lambda t: t.ttft_s or float("inf"), default=None)
         summary = ",".join(describe(o) for o in done)
         images = f" images={usage.images} pixels={usage.image_pixels}" if usage.images else ""
+        drafts = usage.drafted_tokens and f" drafted={usage.drafted_tokens}"
+        drafts = f"{drafts} accepted={usage.accepted_tokens}" if drafts else ""
         logger.info(
-            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d%s ttft=%s "
+            "%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d%s%s ttft=%s "
             "queued=%s prefill=%s decode=%s total=%.3fs",
             self.request_id,
             status,
@@ -120,6 +124,7 @@ class Exchange:
             usage.prompt_tokens,
             usage.completion_tokens,
             images,
+            drafts,
             seconds(first and first.ttft_s),
             seconds(first and first.queued_s),
             seconds(first and first.prefill_s),

@@ -151,6 +151,16 @@ class Metrics:
         self.generated_tokens = Counter(
             "mlx_trio_generated_tokens", "tokens generated", registry=self.registry
         )
+        self.drafted_tokens = Counter(
+            "mlx_trio_drafted_tokens",
+            "tokens speculative decoding drafted, of completed sessions",
+            registry=self.registry,
+        )
+        self.accepted_tokens = Counter(
+            "mlx_trio_accepted_draft_tokens",
+            "drafted tokens the model accepted, of completed sessions",
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "mlx_trio_time_to_first_token_seconds",
             "from request arrival to the first token",

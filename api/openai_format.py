@@ -22,12 +22,22 @@ def error_body(
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
+    """OpenAI's usage; a session that speculated adds its drafts as OpenAI counts a predicted
+    output's (``accepted_prediction_tokens``, ``rejected_prediction_tokens``) and, as an
+    extension, ``drafted_tokens``."""
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.drafted_tokens:
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": usage.accepted_tokens,
+            "rejected_prediction_tokens": usage.drafted_tokens - usage.accepted_tokens,
+            "drafted_tokens": usage.drafted_tokens,
+        }
+    return body
 
 
 def sum_usage(usages: list[Usage | None], *, choices_per_prompt: int) -> Usage:
@@ -42,6 +52,8 @@ def sum_usage(usages: list[Usage | None], *, choices_per_prompt: int) -> Usage:
         prompt_tokens=sum(u.prompt_tokens for u in prompts if u is not None),
         completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
         cached_tokens=sum(u.cached_tokens for u in prompts if u is not None),
+        drafted_tokens=sum(u.drafted_tokens for u in usages if u is not None),
+        accepted_tokens=sum(u.accepted_tokens for u in usages if u is not None),
         images=sum(u.images for u in prompts if u is not None),
         image_pixels=sum(u.image_pixels for u in prompts if u is not None),
     )

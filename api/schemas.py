@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..engine.errors import InvalidRequestError
-from ..engine.params import MAX_SEED, Grammar, SamplingParams
+from ..engine.params import MAX_SEED, Grammar, SamplingParams, Speculation
 from ..engine.vocabulary.images import ImageInput
 from ..engine.vocabulary.prompt import Chat
 from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
@@ -70,6 +70,18 @@ class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
+class SpeculativeOptions(Body):
+    """mlx-trio's extension: how a request's tokens are drafted and verified (``method``
+    ``prompt_lookup`` or ``none``; the server's ``--speculative`` default for what is left out)."""
+
+    method: str
+    num_draft_tokens: StrictInt | None = None
+    ngram_size: StrictInt | None = None
+
+    def speculation(self) -> Speculation:
+        return Speculation(self.method, self.num_draft_tokens, self.ngram_size)  # type: ignore[arg-type]
+
+
 class _Sampling(Body):
     model: str
     max_tokens: StrictInt | None = None
@@ -91,6 +103,7 @@ class _Sampling(Body):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # mlx_lm.server's: the LoRA adapter to run with (a served adapter's name or directory).
     adapters: str | None = Field(default=None, min_length=1, max_length=4096)
+    speculative: SpeculativeOptions | None = None
 
     def _stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -164,6 +177,7 @@ class _Sampling(Body):
             stop=self._stops(),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            speculative=self.speculative.speculation() if self.speculative else None,
         )
 
     @property

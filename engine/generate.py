@@ -18,8 +18,6 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import greedy_sampler
 
 from .batch.alone import Select, no_adapters
 from .batch.caches import CacheAbilities, tokens_held
@@ -41,8 +39,11 @@ from .model.adapters import Adapters, AdapterSpec, mount
 from .model.loader import LoadedModel, load_model
 from .model.vision import prefill_with_images
 from .outputs import AdapterInfo, Delta, GenerationStats
-from .params import PreparedRequest, SamplingParams
+from .params import PreparedRequest, SamplingParams, Speculation
 from .preparer import RequestPreparer
+from .speculative.draft_model import load_draft, with_draft
+from .speculative.plan import can_speculate, resolve
+from .speculative.steps import open_steps
 from .vocabulary.grammar import grammar_failure
 from .vocabulary.prompt import (
     Prompt,
@@ -51,7 +52,6 @@ from .vocabulary.sampling import (
     make_row_processors,
     make_row_sampler,
     repair_random_state,
-    with_history,
     with_injected_fault,
 )
 from .vocabulary.sampling_defaults import SamplingDefaults
@@ -138,15 +138,20 @@ class Generation:
             on_progress = _offset_progress(on_progress, done)
             skip += done
         processors = make_row_processors(params, self._engine.tokenizer)
-        steps = generate_step(
-            mx.array(prompt[skip:]),
+        steps = open_steps(
             self._model,
+            prompt[skip:],
+            caches=kv,
+            history=prompt[:skip],
             max_tokens=params.max_tokens,
-            sampler=with_injected_fault(make_row_sampler(params), self._request) or greedy_sampler,
-            logits_processors=with_history(processors, prompt[:skip]),
-            prompt_cache=kv,
+            sampler=with_injected_fault(make_row_sampler(params), self._request),
+            processors=processors,
             prefill_step_size=self._engine.prefill_step_size,
-            prompt_progress_callback=on_progress,
+            # A prompt with images steps plain: its positions are the vision model's (M-RoPE).
+            speculation=None if images is not None else self._engine.speculation_for(params),
+            on_progress=on_progress,
+            counts=self._decoder.drafts,
+            draft_model=self._engine.draft_model,
         )
         generated: list[int] = []
         try:
@@ -219,6 +224,8 @@ class Engine:
         memory_limit: MemoryLimit | None = None,
         adapters: Adapters | None = None,
         kv_scheme: KVScheme = FULL_KV,
+        speculation: Speculation | None = None,
+        draft: LoadedModel | None = None,
     ):
         """``prompt_cache_bytes``: the prompt cache's budget; 0 turns it off, None picks
         :func:`default_budget_bytes`. ``token_budget``: how much prompt the batch prefills a
@@ -226,8 +233,11 @@ class Engine:
         ``memory_limit``: the memory budget an ``EngineCore`` plans over this engine and sets
         in MLX (None: none; ``engine/memory.py``); the model is measured for it here.
         ``adapters``: the LoRA adapters mounted over the model (``Adapters``; None: none).
-        ``kv_scheme``: how rows keep their keys and values (``batch/quantized_kv.py``)."""
+        ``kv_scheme``: how rows keep their keys and values (``batch/quantized_kv.py``).
+        ``speculation``: what a request that asks for none gets (``engine/speculative/``).
+        ``draft``: the draft model, sharing the model's tokenizer (checked by ``load``)."""
         self.loaded = loaded
+        self.draft = draft
         self.adapters = adapters
         self.token_budget = token_budget
         self.model = loaded.model
@@ -239,9 +249,13 @@ class Engine:
         if kv_scheme.bits is not None:
             _check_scheme(self.model, self.new_caches(), kv_scheme)
         logger.info("%s: %s; %s", loaded.model_id, self.caches.describe(), kv_scheme.describe())
+        self.speculation = speculation
+        self.can_speculate = can_speculate(self.caches, speculation)
         self.vision = loaded.vision
         processor = None if loaded.vision is None else loaded.vision.processor
-        self.preparer = RequestPreparer(loaded.tokenizer, loaded.context_length, processor)
+        self.preparer = RequestPreparer(
+            loaded.tokenizer, loaded.context_length, processor, has_draft_model=draft is not None
+        )
         # Over several ranks: rank 0 sends its calls to the others (engine/ranks/distributed.py).
         self.lockstep: Lockstep | None = None
         self.vocab_size = self.preparer.vocab_size
@@ -253,6 +267,9 @@ class Engine:
             self.model_memory = measure_model(
                 self.model, vocab_size=self.vocab_size, make=self._make_caches
             )
+            if draft is not None:
+                drafts = measure_model(draft.model, vocab_size=self.vocab_size)
+                self.model_memory = with_draft(self.model_memory, drafts)
         byte_level_table(self.tokenizer)  # built here (0.4 s for 128k ids), not by a request
 
     @classmethod
@@ -271,6 +288,8 @@ class Engine:
         dequantize: bool | None = None,
         adapters: Sequence[AdapterSpec] = (),
         kv_scheme: KVScheme = FULL_KV,
+        speculation: Speculation | None = None,
+        draft_model: str | None = None,
     ) -> Engine:
         """Load ``spec`` (None: the embedded default model) on this thread. The batch's token
         budget is the device's (``default_budget``), with the limits given overriding it
@@ -283,10 +302,16 @@ class Engine:
         its default, on CUDA where they fit, not for a rank's part).
         ``adapters``: LoRA adapters served beside the model, each row with its own
         (``engine/model/adapters.py``); one that does not fit raises ``AdapterError``.
-        ``kv_scheme``: the rows' keys and values quantized or not (``batch/quantized_kv.py``)."""
+        ``kv_scheme``: the rows' keys and values quantized or not (``batch/quantized_kv.py``).
+        ``speculation``: what a request that asks for none gets (``engine/speculative/``).
+        ``draft_model``: a draft model to load beside it, as ``spec`` is given; one whose
+        tokenizer is not the model's raises ``UnsupportedModelError``."""
         loaded = load_model(spec, device=device, split=split)  # type: ignore[arg-type]
         if (split is None or dequantize) and dequantizing.wanted(loaded, given=dequantize):
             loaded = dequantizing.dequantize(loaded)
+        draft = None
+        if draft_model is not None:
+            draft = load_draft(draft_model, loaded, device=device, dequantize=dequantize)
         # A vision model's language model is mlx-vlm's, whose attention reads its projections
         # itself: not fused (design/031-images.md).
         if (
@@ -319,6 +344,8 @@ class Engine:
             memory_limit=memory_limit,
             adapters=mounted,
             kv_scheme=kv_scheme,
+            speculation=speculation,
+            draft=draft,
         )
 
     @property
@@ -376,3 +403,14 @@ class Engine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    @property
+    def draft_model(self) -> Any:
+        """The draft model's module (None: none loaded)."""
+        return self.draft.model if self.draft is not None else None
+
+    def speculation_for(self, params: SamplingParams) -> Speculation | None:
+        """How a row of ``params`` speculates (None: it steps plain)."""
+        if not self.can_speculate:
+            return None
+        return resolve(params.speculative, self.speculation)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .budget import MemoryLimit
 from .errors import AdapterError, InvalidRequestError, check_at_least
+from .params import Speculation
 from .ranks.rank_group import RankGroup
 
 if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here without it
@@ -70,7 +71,9 @@ class EngineOptions:
     started (GPU only). ``adapters``: LoRA adapters served beside the model, each as a model id
     of its own (``engine/model/adapters.py``; not over ranks). ``kv_bits``: keys and values
     kept quantized to 4 or 8 bits, groups of ``kv_group_size`` (``batch/quantized_kv.py``;
-    None: in the model's dtype).
+    None: in the model's dtype). ``speculation``: what a request that asks for none gets
+    (``engine/speculative/``; None: plain steps). ``draft_model``: a model sharing the
+    model's tokenizer, loaded beside it to draft for the method ``draft_model``.
     """
 
     model: str | None = None
@@ -87,6 +90,8 @@ class EngineOptions:
     adapters: tuple[AdapterSpec, ...] = ()
     kv_bits: int | None = None
     kv_group_size: int = 64
+    speculation: Speculation | None = None
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
@@ -104,6 +109,11 @@ class EngineOptions:
         check_at_least(self, 1, "max_preparation_tokens", "max_iteration_tokens")
         if self.adapters and self.ranks is not None:
             raise InvalidRequestError("LoRA adapters are not served over ranks", param="adapters")
+        spec = self.speculation
+        if spec is not None and spec.method == "draft_model" and self.draft_model is None:
+            raise InvalidRequestError(
+                "speculative decoding with a draft model needs --draft-model", param="draft_model"
+            )
         if self.device not in ("auto", "cpu", "gpu"):
             raise InvalidRequestError(
                 f"device must be auto, cpu or gpu, got {self.device!r}", param="device"
@@ -130,6 +140,8 @@ class EngineOptions:
             fuse=self.fuse,
             adapters=self.adapters,
             kv_scheme=KVScheme(self.kv_bits, self.kv_group_size),
+            speculation=self.speculation,
+            draft_model=self.draft_model,
         )
 
 

@@ -59,13 +59,17 @@ class Delta:
 @_pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class GenerationStats:
-    """Counts and timings of one finished generation."""
+    """Counts and timings of one finished generation. ``drafted_tokens``: tokens speculative
+    decoding proposed; ``accepted_tokens``: how many of them the model kept (both 0 for a row
+    that did not speculate)."""
 
     prompt_tokens: int
     cached_tokens: int
     generated_tokens: int
     prefill_s: float
     decode_s: float
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -28,6 +28,11 @@ MAX_SEED = 2**63 - 1
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
+SpeculationMethod = Literal["prompt_lookup", "draft_model", "none"]
+SPECULATION_METHODS = ("prompt_lookup", "draft_model", "none")
+MAX_DRAFT_TOKENS = 16
+MAX_NGRAM_SIZE = 8
+
 GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 
@@ -57,6 +62,43 @@ class Grammar:
 
 
 @dataclass(frozen=True, slots=True)
+class Speculation:
+    """How a row drafts tokens for the model to verify (``engine/speculative/``): ``method``
+    ``prompt_lookup`` (the next tokens after the latest earlier match of the last
+    ``ngram_size`` tokens, down to 2, in the prompt and output so far), ``draft_model`` (the
+    engine's ``--draft-model``) or ``none``; ``num_draft_tokens``: at most this many a step.
+    None for a field: the engine's default (``--num-draft-tokens``, ``--ngram-size``)."""
+
+    method: SpeculationMethod = "prompt_lookup"
+    num_draft_tokens: int | None = None
+    ngram_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATION_METHODS:
+            raise InvalidRequestError(
+                f"speculative.method must be one of {', '.join(SPECULATION_METHODS)}, "
+                f"got {self.method!r}",
+                param="speculative.method",
+            )
+        if self.num_draft_tokens is not None:
+            _check_int(
+                "speculative.num_draft_tokens", self.num_draft_tokens, low=1, high=MAX_DRAFT_TOKENS
+            )
+        if self.ngram_size is not None:
+            _check_int("speculative.ngram_size", self.ngram_size, low=2, high=MAX_NGRAM_SIZE)
+
+    def over(self, default: Speculation | None) -> Speculation:
+        """These values, ``default``'s for the fields left None (a request over the server's)."""
+        if default is None:
+            return self
+        return Speculation(
+            self.method,
+            self.num_draft_tokens or default.num_draft_tokens,
+            self.ngram_size or default.ngram_size,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
@@ -64,7 +106,8 @@ class SamplingParams:
     other sampling knobs are then ignored.
     ``top_p == 1``, ``top_k == 0`` and ``min_p == 0`` switch their filters off. Penalties of 0
     (or a repetition penalty of 1) are off. ``seed`` makes sampling reproducible per request,
-    independent of other requests in the same batch.
+    independent of other requests in the same batch. ``speculative``: how the row drafts
+    tokens (None: the engine's default, ``--speculative``).
     """
 
     max_tokens: int = 256
@@ -82,6 +125,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: Grammar | None = None
+    speculative: Speculation | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -101,6 +145,8 @@ class SamplingParams:
         if not isinstance(self.logprobs, bool):
             raise InvalidRequestError("logprobs must be a boolean", param="logprobs")
         _check_int("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
+        if self.speculative is not None and not isinstance(self.speculative, Speculation):
+            raise InvalidRequestError("speculative must be an object", param="speculative")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"

@@ -31,14 +31,21 @@ class RequestPreparer:
     """What ``prepare`` needs of a model, its tokenizer and context length, without its weights:
     an engine process's parent tokenizes with one while the model lives in the child.
     ``processor``: a vision model's, which turns a prompt's images into its input (None: the
-    model takes no images)."""
+    model takes no images). ``has_draft_model``: a draft model is loaded beside the model
+    (``--draft-model``), so requests may ask to speculate with it."""
 
     def __init__(
-        self, tokenizer: TokenizerWrapper, context_length: int, processor: Any = None
+        self,
+        tokenizer: TokenizerWrapper,
+        context_length: int,
+        processor: Any = None,
+        *,
+        has_draft_model: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.processor = processor
+        self.has_draft_model = has_draft_model
         self.vocab_size = len(tokenizer)
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
@@ -86,6 +93,12 @@ class RequestPreparer:
                     )
         if params.grammar is not None:
             self.grammar_sandbox.check(params.grammar)
+        spec = params.speculative
+        if spec is not None and spec.method == "draft_model" and not self.has_draft_model:
+            raise InvalidRequestError(
+                "speculative.method draft_model needs a server started with --draft-model",
+                param="speculative.method",
+            )
 
     @functools.cached_property
     def grammar_sandbox(self) -> GrammarSandbox:

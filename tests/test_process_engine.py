@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import socket
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import pytest
@@ -20,7 +21,7 @@ from mlx_trio.api.inprocess import open_runtime
 from mlx_trio.engine.errors import EngineUnavailableError, UnsupportedModelError
 from mlx_trio.engine.options import CoreRecipe
 from mlx_trio.engine.outputs import RowOutput
-from mlx_trio.engine.params import PreparedRequest, SamplingParams
+from mlx_trio.engine.params import PreparedRequest, SamplingParams, Speculation
 from mlx_trio.engine.vocabulary.prompt import ChatMessage
 from tests.tiny import build_engine, build_nothing, make_preparer
 
@@ -89,6 +90,24 @@ async def test_sessions_through_an_engine_process_complete_and_it_ends_with_the_
         assert [r.outcome.lane for r in results] == ["batch"] * 3 + ["serial"]
         assert all(isinstance(r.outcome, Completed) and r.token_ids for r in results)
     assert port.exitcode == 0
+
+
+async def test_a_speculative_request_through_an_engine_process_counts_its_drafts():
+    prompt = "the cat sat on the mat and the dog sat on the log; " * 3
+    plain = greedy(40)
+    fast = replace(plain, speculative=Speculation("prompt_lookup"))
+    recipe = CoreRecipe(build_engine, max_batch=4)
+    async with (
+        open_process_engine(recipe, make_preparer()) as port,
+        open_runtime(engine=port, max_batch=4) as rt,
+    ):
+        results = [
+            await rt.collect(GenerationRequest(prompt, params, reproducible=True))
+            for params in (plain, fast)
+        ]
+    assert results[1].token_ids == results[0].token_ids
+    usage = [r.outcome.usage for r in results if isinstance(r.outcome, Completed)]
+    assert usage[0].drafted_tokens == 0 and 0 < usage[1].accepted_tokens <= usage[1].drafted_tokens
 
 
 async def test_a_killed_engine_process_fails_each_request_once_and_the_runtime_still_closes():

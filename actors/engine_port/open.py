@@ -87,7 +87,10 @@ async def open_engine(
                     if tokenizer is not None:
                         loaded = await trio.to_thread.run_sync(tokenizer.result)
                         preparer = RequestPreparer(
-                            loaded.tokenizer, loaded.context_length, loaded.processor
+                            loaded.tokenizer,
+                            loaded.context_length,
+                            loaded.processor,
+                            has_draft_model=options.draft_model is not None,
                         )
                     assert reply.value is not None
                     yield transport, reply.value

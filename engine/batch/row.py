@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..outputs import Delta, FinishReason, GenerationStats, TokenLogprob
 from ..params import SamplingParams
+from ..speculative.lookup import DraftCounts
 from ..vocabulary.text import TextStream
 
 
@@ -55,6 +56,7 @@ class RowDecoder:
         self._first_token_at: float | None = None
         self._finished_at: float | None = None
         self.finish_reason: FinishReason | None = None
+        self.drafts = DraftCounts()  # what its steps drafted, if it speculates
 
     @property
     def is_finished(self) -> bool:
@@ -143,4 +145,6 @@ class RowDecoder:
             generated_tokens=self._num_generated,
             prefill_s=first - self._started_at,
             decode_s=end - first,
+            drafted_tokens=self.drafts.drafted,
+            accepted_tokens=self.drafts.accepted,
         )

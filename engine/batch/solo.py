@@ -15,7 +15,7 @@ its tokens of the call) stays the batch engine's, which decides when a row goes 
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +23,9 @@ from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import greedy_sampler
 
 from ..generate import Engine
-from ..vocabulary.sampling import with_history
+from ..speculative.steps import open_steps
 from .batch_rows import BatchRow, PromptStart
 from .caches import tokens_held
 
@@ -38,7 +36,7 @@ class _Run:
     token of the row so far)."""
 
     row_id: int
-    steps: Generator[tuple[int, mx.array], None, None]
+    steps: Iterator[tuple[int, mx.array]]  # with close(): generate_step's or LookupSteps
     caches: list[Any]
     tokens: list[int]
     # A row that went solo from its prompt, until its first step: the prompt left to prefill,
@@ -99,17 +97,22 @@ class SoloRow:
 
     def _steps(
         self, row: BatchRow, prompt: list[int], caches: list[Any], *, history: list[int]
-    ) -> Generator[tuple[int, mx.array], None, None]:
-        """``generate_step`` for the row: ``prompt`` to prefill on top of ``caches`` (which
-        hold ``history``), then the row's remaining tokens."""
-        return generate_step(
-            mx.array(prompt),
+    ) -> Iterator[tuple[int, mx.array]]:
+        """``generate_step`` (or its speculative twin, ``engine/speculative/``) for the row:
+        ``prompt`` to prefill on top of ``caches`` (which hold ``history``), then the row's
+        remaining tokens."""
+        return open_steps(
             self._engine.model_for(row.adapter_slot),
+            prompt,
+            caches=caches,
+            history=history,
             max_tokens=row.remaining_tokens,
-            sampler=row.sampler or greedy_sampler,
-            logits_processors=with_history(row.processors, history),
-            prompt_cache=caches,
+            sampler=row.sampler,
+            processors=row.processors,
             prefill_step_size=self._prefill_chunk,
+            speculation=self._engine.speculation_for(row.decoder.params),
+            counts=row.decoder.drafts,
+            draft_model=self._engine.draft_model,
         )
 
     def step(self) -> tuple[int, mx.array, int | None]:
