@@ -31,7 +31,7 @@ from ..engine.vocabulary.tools import Tool, ToolCall, ToolChoice, call_grammar, 
 from .anthropic_tools import ThinkingSpec, ToolChoiceSpec, ToolDefinition
 from .chat_parts import Body
 from .images import ImageBlock, ImageRef, ImageSource
-from .schemas import Number, fields_of, format_param, log_ignored
+from .schemas import Number, SpeculativeOptions, fields_of, format_param, log_ignored
 
 # Anthropic's fields that change nothing here (metadata, routing, caching that is automatic
 # here, context editing that matters only past the context): accepted, ignored.
@@ -314,6 +314,7 @@ class MessagesRequest(_Conversation):
     stream: StrictBool = False
     timeout: Number | None = Field(default=None, gt=0, description="seconds; mlx-trio extension")
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    speculative: SpeculativeOptions | None = None  # mlx-trio extension, as chat's
 
     @property
     def n(self) -> int:
@@ -366,6 +367,7 @@ class MessagesRequest(_Conversation):
             top_p=self.top_p,
             top_k=self.top_k,
             stop=self.stops,
+            speculative=self.speculative.speculation() if self.speculative else None,
         )
 
     def field_names(self) -> Mapping[str, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -92,3 +93,15 @@ def test_a_bad_speculative_field_is_a_400_naming_it(server, sdk, speculative, pa
     with pytest.raises(openai.BadRequestError) as caught:
         rewrite(server, sdk, max_tokens=4, extra_body={"speculative": speculative})
     assert caught.value.body["param"] == param
+
+
+def test_the_messages_api_takes_the_field_as_chat_does(server, plain):
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    greedy = {"temperature": 0}  # the SDK (2.x) takes it only as an extra field
+    bad = {**greedy, "speculative": {"method": "x"}}
+    asked = {"model": model_id(server), "messages": MESSAGES}
+    reply = client.messages.create(**asked, max_tokens=MAX_TOKENS, extra_body={**greedy, **LOOKUP})
+    assert reply.content[0].text == plain
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(**asked, max_tokens=4, extra_body=bad)
+    assert "speculative.method" in caught.value.message
