@@ -41,6 +41,7 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .errors import UnsupportedModelError
 from .options import EngineOptions
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def group_of(run: Any, *, quantized: bool) -> str:
         tile = f"tile-{run.prompt_tokens}"
         if tile in TILE_GROUPS:
             return tile
-    if run.lane in ("serial", "batch", "cached"):
+    if run.lane in ("serial", "image", "batch", "cached"):
         return "chat"
     if run.lane == "prefill" and run.prompt_tokens == CHAT_PROMPT:
         return "chat"
@@ -259,7 +260,7 @@ def prime(
     start = time.perf_counter()
     try:
         compiled = _compile(options, group, max_batch, force)
-    except LayersDiffer as exc:
+    except (LayersDiffer, UnsupportedModelError) as exc:  # a vision model's is not cut
         logger.info("nothing to do: %s", exc)
         return
     except Exception:

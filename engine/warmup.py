@@ -1,26 +1,26 @@
 """Kernel warm-up: run the shapes the runtime will use before it reports healthy.
 
 MLX's CUDA backend compiles a kernel (NVRTC) the first time it meets a new kernel configuration:
-fused element-wise kernels, gathers, and for 4-bit weights one quantized matmul per row tile
-(about 38 s each on an H200). A runtime that reports healthy first would stall its first requests
-of each new shape, past any step watchdog. :func:`warm_up` runs the exact code paths the runtime
-uses, on the calling thread (the engine thread): one short single-request generation through
-:meth:`Engine.generate`, greedy :class:`BatchEngine` batches of 1, 2, 4, ..., ``max_batch`` rows,
-where every row is decoding at once at the top (rows enter eight at a time, so this also runs the
-multiples of eight on the way up and down), one sampled batch, single-row prompts that select
-each quantized-matmul tile, one full prefill chunk of ``prefill_chunk`` tokens for a prefill
-group, a group of chat-sized prompts, a burst of long prompts as the token budget prepares
-them, where long prompts are prefilled one row at a time (``engine/batch/alone.py``) every
-padded length of a last chunk, at the start of a prompt and after one whole chunk, and where
-the engine has a prompt cache a second burst of chat prompts starting from its hits; a group's
-prompts are of unequal lengths, as a real burst's are (padded, their attention takes a mask: a
-first burst after startup waited 5.9 s on an H200 while those kernels compiled, design/017).
-Compiled kernels are kept for the process and on disk (``MLX_PTX_CACHE_DIR``, by default
-``$TMPDIR/mlx/<version>/ptx``): with that cache warm, a restart's warm-up took 9 s instead of
-55 s (bfloat16) and 18 s instead of 97 s (4-bit) for a Llama-3.2-1B shape (design/008-gpu.md).
-Where the cache is cold, kernel primers compile them in other processes meanwhile
-(``engine/primers.py``): ``only`` runs a primer's share of the plan, ``before`` waits for the
-primer of each run.
+fused element-wise kernels, gathers, and for 4-bit weights one quantized matmul per row tile (about
+38 s each on an H200). A runtime that reports healthy first would stall its first requests of each
+new shape, past any step watchdog. :func:`warm_up` runs the exact code paths the runtime uses, on
+the calling thread (the engine thread): one short single-request generation through
+:meth:`Engine.generate` (and for a vision model one with a small image), greedy
+:class:`BatchEngine` batches of 1, 2, 4, ..., ``max_batch`` rows, where every row is decoding at
+once at the top (rows enter eight at a time, so this also runs the multiples of eight on the way up
+and down), one sampled batch, single-row prompts that select each quantized-matmul tile, one full
+prefill chunk of ``prefill_chunk`` tokens for a prefill group, a group of chat-sized prompts, a
+burst of long prompts as the token budget prepares them, where long prompts are prefilled one row
+at a time (``engine/batch/alone.py``) every padded length of a last chunk, at the start of a prompt
+and after one whole chunk, and where the engine has a prompt cache a second burst of chat prompts
+starting from its hits; a group's prompts are of unequal lengths, as a real burst's are (padded,
+their attention takes a mask: a first burst after startup waited 5.9 s on an H200 while those
+kernels compiled, design/017). Compiled kernels are kept for the process and on disk
+(``MLX_PTX_CACHE_DIR``, by default ``$TMPDIR/mlx/<version>/ptx``): with that cache warm, a
+restart's warm-up took 9 s instead of 55 s (bfloat16) and 18 s instead of 97 s (4-bit) for a
+Llama-3.2-1B shape (design/008-gpu.md). Where the cache is cold, kernel primers compile them in
+other processes meanwhile (``engine/primers.py``): ``only`` runs a primer's share of the plan,
+``before`` waits for the primer of each run.
 
 On CPU nothing is compiled per shape (a fresh process's first 2-token generation of the default
 model took 0.61 s, the next ones 0.50 s and 0.80 s), so there it returns at once.
@@ -28,6 +28,7 @@ model took 0.61 s, the next ones 0.50 s and 0.80 s), so there it returns at once
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import time
@@ -47,6 +48,8 @@ from .batch.schedule import MIN_CHUNK, TokenBudget
 from .errors import EngineError
 from .generate import Engine
 from .params import PreparedRequest, SamplingParams
+from .vocabulary.images import ImageInput
+from .vocabulary.prompt import ChatMessage, PlacedImage
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ CHAT_PROMPT = 64
 # the tokens per row in a step: min(64, max(16, next power of two)). About 38 s each on an H200.
 QMM_TILES = (16, 32, 64)
 SERIAL_NEW_TOKENS = 4
+IMAGE_SIDE = 64  # a vision model's warm-up image, in pixels a side
 
 BatchLane = Literal["batch", "sampled", "prefill", "burst", "alone", "cached"]
 
@@ -66,7 +70,7 @@ BatchLane = Literal["batch", "sampled", "prefill", "burst", "alone", "cached"]
 class WarmupShape:
     """One warm-up run: ``rows`` requests of ``prompt_tokens`` each, ``new_tokens`` at most."""
 
-    lane: Literal["serial"] | BatchLane
+    lane: Literal["serial", "image"] | BatchLane
     rows: int
     prompt_tokens: int
     new_tokens: int
@@ -101,7 +105,7 @@ class WarmupRun(NamedTuple):
     """One planned warm-up run: ``rows`` requests of ``prompt_tokens`` each, ``new_tokens`` at
     most, on ``lane``."""
 
-    lane: Literal["serial"] | BatchLane
+    lane: Literal["serial", "image"] | BatchLane
     rows: int
     prompt_tokens: int
     new_tokens: int
@@ -175,6 +179,9 @@ def warm_up(
     try:
         if wanted(WarmupRun("serial", 1, SHORT_PROMPT, SERIAL_NEW_TOKENS)):
             shapes.append(_serial(engine, SHORT_PROMPT, SERIAL_NEW_TOKENS))
+        image = WarmupRun("image", 1, IMAGE_SIDE, SERIAL_NEW_TOKENS)
+        if getattr(engine, "vision", None) is not None and wanted(image):
+            shapes.append(_image(engine, image.prompt_tokens, image.new_tokens))
         budget = getattr(engine, "token_budget", None)
         batch = BatchEngine(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget)
         try:
@@ -209,6 +216,24 @@ def _serial(engine: Engine, prompt_tokens: int, new_tokens: int) -> WarmupShape:
     for _ in engine.generate(request):
         pass
     return WarmupShape("serial", 1, prompt_tokens, new_tokens, time.perf_counter() - start)
+
+
+def _image(engine: Engine, side: int, new_tokens: int) -> WarmupShape:
+    """A request with one ``side`` x ``side`` image on the serial lane: a vision model's tower
+    compiles its kernels here, not in a first image request's engine call, where a dozen
+    compiles could outlast the step watchdog. ``prompt_tokens`` of its shape is the side."""
+    from PIL import Image
+
+    encoded = io.BytesIO()
+    Image.new("RGB", (side, side), (90, 140, 200)).save(encoded, format="PNG")
+    image = ImageInput(encoded.getvalue(), "warm-up", side * side)
+    message = ChatMessage("user", "What is this?", images=(PlacedImage(0, image),))
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    request = engine.prepare([message], params)
+    start = time.perf_counter()
+    for _ in engine.generate(request):
+        pass
+    return WarmupShape("image", 1, side, new_tokens, time.perf_counter() - start)
 
 
 def _cached(

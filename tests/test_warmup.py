@@ -71,3 +71,15 @@ def test_warm_up_runs_a_second_chat_burst_from_prompt_cache_hits(monkeypatch):
     assert engine.prompt_cache is not None and engine.prompt_cache.statistics().entries == 0
     without_cache = warm_up(Engine(make_loaded()), max_batch=8, prefill_chunk=32, force=True)
     assert "cached" not in {s.lane for s in without_cache.shapes}
+
+
+def test_a_vision_models_warm_up_runs_an_image_through_its_tower(tmp_path):
+    """On a GPU the tower's kernels would otherwise compile in a first image request's call."""
+    from mlx_trio.engine.model.loader import load_model
+    from mlx_trio.engine.model.random_vlm import save_random_vlm
+
+    engine = Engine(load_model(str(save_random_vlm(tmp_path / "vlm")), device="cpu"))
+    report = warm_up(engine, max_batch=2, prefill_chunk=32, force=True)
+    assert [(s.lane, s.rows) for s in report.shapes if s.lane == "image"] == [("image", 1)]
+    assert not [s for s in warm_up(Engine(make_loaded()), max_batch=2, prefill_chunk=32,
+                                   force=True).shapes if s.lane == "image"]  # fmt: skip
