@@ -203,7 +203,16 @@ class KernelPrimers:
         directory = Path(tempfile.mkdtemp(prefix="mlx-trio-primers-"))
         groups = groups_for(quantized=_is_quantized(model_path) and not _dequantized(options))
         context = multiprocessing.get_context("spawn")
-        recipe = replace(options, model=str(model_path), adapters=(), ranks=None)
+        # The first layer alone: no adapters, no ranks, no draft model (its kernels are the
+        # model's own, and each primer would load it whole).
+        recipe = replace(
+            options,
+            model=str(model_path),
+            adapters=(),
+            ranks=None,
+            draft_model=None,
+            speculation=None,
+        )
         processes = {
             group: context.Process(
                 target=prime,
