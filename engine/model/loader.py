@@ -33,7 +33,13 @@ from ..errors import InvalidRequestError, UnsupportedModelError
 from ..vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from .gguf import Progress
 from .model_store import resolve_model
-from .vision import VisionParts, load_processor, load_vision_model, takes_images
+from .vision import (
+    VisionParts,
+    load_processor,
+    load_vision_model,
+    share_weights,
+    takes_images,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +122,8 @@ def load_model(
         whole = dequantize_model(whole)
         if vision is None:
             model = whole
+        else:
+            share_weights(model, vision)  # the cast made new arrays
     if on_cpu or split is not None:
         mx.eval(whole.parameters())
     loaded = LoadedModel(

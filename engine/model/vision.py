@@ -10,8 +10,10 @@ the serial lane, then decodes as text.
 The families here are those whose language model places tokens with M-RoPE (three position
 components, text tokens on the diagonal): the wrapper gives every token its explicit position,
 ``offset + i`` on all three, and an image prompt's positions are shifted by the constant
-that makes its last token's position its index, which RoPE, relative, does not see. Others
-are refused at load, by name.
+that makes its last token's position its index, which RoPE, relative, does not see. Qwen3.5's
+text runs through mlx-lm's own class instead, on the same weights (``TEXT_THROUGH_MLX_LM``):
+its text positions are plain RoPE's, which interleaved M-RoPE is on the diagonal. Other
+vision-language checkpoints load through mlx-lm as text models (:func:`takes_images`).
 """
 
 from __future__ import annotations
@@ -29,14 +31,23 @@ from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 # isort: split
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..errors import UnsupportedModelError
 from ..vocabulary.images import PreparedImages
 
 logger = logging.getLogger(__name__)
 
-# mlx-vlm model types whose language model takes explicit M-RoPE ``position_ids``.
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# mlx-vlm model types whose language model takes explicit M-RoPE ``position_ids``: Qwen2-VL's
+# and Qwen2.5-VL's (sections one after another) and Qwen3.5's (interleaved, over a part of each
+# head).
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_5")
+# Families whose text runs through mlx-lm's own class for the language model, sharing mlx-vlm's
+# weights: Qwen3.5's gated delta net layers keep recurrent caches, which mlx-lm's batch merges
+# and pads as for the text-only checkpoint, and mlx-vlm's model batches its own way. Its image
+# prompt is prefilled by mlx-vlm's language model into mlx-vlm's caches, whose state then goes
+# to mlx-lm's (the same arrays: a conv window and a recurrent state, keys and values).
+TEXT_THROUGH_MLX_LM = ("qwen3_5",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +116,25 @@ def load_vision_model(path: Path, model_id: str) -> tuple[nn.Module, VisionParts
         raise UnsupportedModelError(
             f"mlx-vlm could not load model {model_id!r} ({type(exc).__name__})"
         ) from exc
-    return LanguageModelOnly(model.language_model), VisionParts(model, processor, family), config
+    parts = VisionParts(model, processor, family)
+    if family not in TEXT_THROUGH_MLX_LM:
+        return LanguageModelOnly(model.language_model), parts, config
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    text = model_class(args_class.from_dict(config))
+    share_weights(text, parts)
+    return text, parts, config
+
+
+def share_weights(model: nn.Module, parts: VisionParts) -> None:
+    """Give ``model``, mlx-lm's class for a ``TEXT_THROUGH_MLX_LM`` family, the arrays of
+    mlx-vlm's language model (no copy); again after those change (a cast to float32). Nothing
+    to do for a :class:`LanguageModelOnly`, which holds mlx-vlm's modules themselves."""
+    if isinstance(model, LanguageModelOnly):
+        return
+    weights = tree_flatten(parts.model.language_model.parameters())
+    model.load_weights([(f"language_model.{k}", v) for k, v in weights], strict=True)
 
 
 def load_processor(path: Path) -> Any:
@@ -167,6 +196,9 @@ def prefill_with_images(
     tokens done after each (lazy: nothing runs until iterated; closed early, it stops between
     chunks). The last token then decodes through :class:`LanguageModelOnly` at its index."""
     model = parts.model
+    # Qwen3.5's prefill runs in mlx-vlm's own caches, handed to ``kv`` (mlx-lm's) at the end.
+    through = parts.family in TEXT_THROUGH_MLX_LM
+    own = model.language_model.make_cache() if through else kv
     ids = mx.array(tokens)[None]
     arrays = {k: mx.array(v) for k, v in images.arrays.items()}
     features = model.get_input_embeddings(ids, arrays.pop("pixel_values"), **arrays)
@@ -179,10 +211,23 @@ def prefill_with_images(
         model.language_model(
             ids[:, start:end],
             inputs_embeds=embeds[:, start:end],
-            cache=kv,
+            cache=own,
             position_ids=positions[:, :, start:end],
         )
-        mx.eval([c.state for c in kv])
+        mx.eval([c.state for c in own])
+        if end == total - 1 and own is not kv:
+            _hand_over(own, kv)
         if on_progress is not None:
             on_progress(end, total)
         yield end
+
+
+def _hand_over(own: list[Any], kv: list[Any]) -> None:
+    """Give mlx-lm's caches ``kv`` the state of mlx-vlm's ``own``, layer by layer: keys and
+    values up to the offset, or a recurrent layer's arrays."""
+    for source, target in zip(own, kv, strict=True):
+        if hasattr(target, "keys"):
+            keys, values = source.state[:2]
+            target.keys, target.values, target.offset = keys, values, keys.shape[2]
+        else:
+            target.cache = list(source.cache)

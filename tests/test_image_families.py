@@ -1,0 +1,63 @@
+"""Images in for the vision-language families beyond Qwen2-VL (design/031-images.md): a tiny
+random checkpoint of each, built in a folder, served by the real server and asked through the
+openai SDK. An image request answers with mlx-vlm's own greedy text, and another image changes
+it; text requests to the same model batch, each answering mlx-vlm's own text.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.test_images import MAX_TOKENS, QUESTION, image_chat, mlx_vlm_text, serve
+from tests.tiny_vlm import build, data_url, png
+
+FAMILIES = ["qwen3_5"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family = request.param
+    return build(tmp_path_factory.mktemp(family) / "tiny-vlm", family=family)  # image_chat's name
+
+
+@pytest.fixture(scope="module")
+def family_client(family_dir: Path):
+    with serve(family_dir) as running:
+        running.wait_healthy()
+        yield running, openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+
+
+def test_an_image_request_answers_as_mlx_vlm_does_and_the_image_matters(family_client, family_dir):
+    _, client = family_client
+    first, second = png(112, 84, seed=1), png(112, 84, seed=2)
+    text = image_chat(client, data_url(first))
+    assert text == mlx_vlm_text(family_dir, first, QUESTION)
+    assert text != image_chat(client, data_url(second))  # the image changes the answer
+    assert text == image_chat(client, data_url(first))  # nothing is left over from the last
+
+
+def test_text_requests_batch_and_answer_as_mlx_vlm_does(family_client, family_dir):
+    server, client = family_client
+    before = httpx.get(f"{server.url}/v1/stats").json()
+    questions = [f"Say {'a' * (3 * i)} {i}" for i in range(4)]  # different lengths: padding
+
+    def ask(question: str) -> str:
+        reply = client.chat.completions.create(
+            model="tiny-vlm",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        return reply.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        texts = list(pool.map(ask, questions))
+    assert texts == [mlx_vlm_text(family_dir, q) for q in questions]
+    after = httpx.get(f"{server.url}/v1/stats").json()
+    assert after["rows_submitted"]["batch"] == before["rows_submitted"]["batch"] + 4
+    assert after["rows_submitted"]["serial"] == before["rows_submitted"]["serial"]
