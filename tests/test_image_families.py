@@ -61,3 +61,35 @@ def test_text_requests_batch_and_answer_as_mlx_vlm_does(family_client, family_di
     after = httpx.get(f"{server.url}/v1/stats").json()
     assert after["rows_submitted"]["batch"] == before["rows_submitted"]["batch"] + 4
     assert after["rows_submitted"]["serial"] == before["rows_submitted"]["serial"]
+
+
+def test_qwen3_5s_text_model_holds_mlx_vlms_arrays_quantized_as_they_are(tmp_path):
+    """On a GPU a quantized checkpoint stays quantized: mlx-lm's class for Qwen3.5's text is
+    quantized where mlx-vlm's language model is, holds its arrays and gives its logits."""
+    import json
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx_vlm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_trio.engine.model.vision import VisionParts, language_model
+
+    path = build(tmp_path / "tiny-vlm", family="qwen3_5")
+    model, processor = mlx_vlm.load(str(path))
+    nn.quantize(
+        model.language_model,
+        group_size=32,
+        bits=8,
+        class_predicate=lambda _p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0,
+    )
+    config = json.loads((path / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 8}
+    text = language_model(VisionParts(model, processor, "qwen3_5"), config)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in text.named_modules())
+    theirs = model.language_model.model.layers[0].linear_attn.in_proj_qkv.weight
+    assert text.language_model.model.layers[0].linear_attn.in_proj_qkv.weight is theirs
+    ids = mx.array([[5, 9, 30, 41, 2, 7]])
+    ours = text(ids, cache=make_prompt_cache(text))
+    expected = model.language_model(ids, cache=model.language_model.make_cache()).logits
+    assert mx.allclose(ours, expected, atol=1e-4).item()

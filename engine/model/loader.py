@@ -35,9 +35,9 @@ from .gguf import Progress
 from .model_store import resolve_model
 from .vision import (
     VisionParts,
+    language_model,
     load_processor,
     load_vision_model,
-    share_weights,
     takes_images,
 )
 
@@ -98,7 +98,8 @@ def load_model(
         if takes_images(resolved.path):
             if split is not None:
                 raise UnsupportedModelError("a vision model cannot be split over ranks yet")
-            model, vision, config = load_vision_model(resolved.path, resolved.model_id)
+            vision, config = load_vision_model(resolved.path, resolved.model_id)
+            model = vision.model  # its tower too, cast below; the language model after
         else:
             model, config = mlx_lm_load_model(resolved.path, lazy=split is not None)
         if split is not None:
@@ -113,19 +114,16 @@ def load_model(
             message = f"mlx-lm could not load model {resolved.model_id!r} ({type(exc).__name__})"
         raise UnsupportedModelError(message) from exc
     weights = ""
-    whole = model if vision is None else vision.model  # a vision model's tower too
     if on_cpu:
-        if bits := quantized_bits(whole):
+        if bits := quantized_bits(model):
             weights = f"float32, {dequantized_from(bits)}"
         # Scales go to float32 first: dequantizing from float16 is much slower on CPU (design/024).
-        whole.set_dtype(mx.float32)
-        whole = dequantize_model(whole)
-        if vision is None:
-            model = whole
-        else:
-            share_weights(model, vision)  # the cast made new arrays
+        model.set_dtype(mx.float32)
+        model = dequantize_model(model)
     if on_cpu or split is not None:
-        mx.eval(whole.parameters())
+        mx.eval(model.parameters())
+    if vision is not None:
+        model = language_model(vision, config)  # on the arrays the cast made
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -99,10 +99,10 @@ def takes_images(path: Path) -> bool:
     return True
 
 
-def load_vision_model(path: Path, model_id: str) -> tuple[nn.Module, VisionParts, dict[str, Any]]:
-    """Load the checkpoint at ``path`` with mlx-vlm: the language model as the engine runs
-    it, the vision parts, and the config (:func:`takes_images` first). Raises
-    ``UnsupportedModelError`` for a checkpoint mlx-vlm cannot build."""
+def load_vision_model(path: Path, model_id: str) -> tuple[VisionParts, dict[str, Any]]:
+    """Load the checkpoint at ``path`` with mlx-vlm: its whole model, processor and config
+    (:func:`takes_images` first); :func:`language_model` then gives the model the engine runs.
+    Raises ``UnsupportedModelError`` for a checkpoint mlx-vlm cannot build."""
     from mlx_vlm.utils import load_config
     from mlx_vlm.utils import load_model as vlm_load_model
 
@@ -116,25 +116,34 @@ def load_vision_model(path: Path, model_id: str) -> tuple[nn.Module, VisionParts
         raise UnsupportedModelError(
             f"mlx-vlm could not load model {model_id!r} ({type(exc).__name__})"
         ) from exc
-    parts = VisionParts(model, processor, family)
-    if family not in TEXT_THROUGH_MLX_LM:
-        return LanguageModelOnly(model.language_model), parts, config
+    return VisionParts(model, processor, family), config
+
+
+def language_model(parts: VisionParts, config: dict[str, Any]) -> nn.Module:
+    """The model the engine runs for text: :class:`LanguageModelOnly` over mlx-vlm's language
+    model, or, for a ``TEXT_THROUGH_MLX_LM`` family, mlx-lm's own class holding the same arrays
+    (no copy; quantized as they are). Made once the whole model has its final dtype: a cast
+    makes new arrays."""
+    if parts.family not in TEXT_THROUGH_MLX_LM:
+        return LanguageModelOnly(parts.model.language_model)
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(config)
     text = model_class(args_class.from_dict(config))
-    share_weights(text, parts)
-    return text, parts, config
-
-
-def share_weights(model: nn.Module, parts: VisionParts) -> None:
-    """Give ``model``, mlx-lm's class for a ``TEXT_THROUGH_MLX_LM`` family, the arrays of
-    mlx-vlm's language model (no copy); again after those change (a cast to float32). Nothing
-    to do for a :class:`LanguageModelOnly`, which holds mlx-vlm's modules themselves."""
-    if isinstance(model, LanguageModelOnly):
-        return
-    weights = tree_flatten(parts.model.language_model.parameters())
-    model.load_weights([(f"language_model.{k}", v) for k, v in weights], strict=True)
+    weights = {
+        f"language_model.{k}": v for k, v in tree_flatten(parts.model.language_model.parameters())
+    }
+    quantization = config.get("quantization")
+    if any(k.endswith(".scales") for k in weights) and isinstance(quantization, dict):
+        nn.quantize(
+            text,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            mode=quantization.get("mode", "affine"),
+            class_predicate=lambda p, _m: f"{p}.scales" in weights,
+        )
+    text.load_weights(list(weights.items()), strict=True)
+    return text
 
 
 def load_processor(path: Path) -> Any:
