@@ -13,10 +13,15 @@ import httpx
 import openai
 import pytest
 
+from mlx_trio.engine.generate import Engine, Generation
+from mlx_trio.engine.model.loader import load_model
+from mlx_trio.engine.params import SamplingParams
+from mlx_trio.engine.vocabulary.images import ImageInput
+from mlx_trio.engine.vocabulary.prompt import ChatMessage, PlacedImage
 from tests.test_images import MAX_TOKENS, QUESTION, image_chat, mlx_vlm_text, serve
 from tests.tiny_vlm import build, data_url, png
 
-FAMILIES = ["qwen3_5"]
+FAMILIES = ["qwen3_5", "qwen3_vl"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -39,6 +44,18 @@ def test_an_image_request_answers_as_mlx_vlm_does_and_the_image_matters(family_c
     assert text == mlx_vlm_text(family_dir, first, QUESTION)
     assert text != image_chat(client, data_url(second))  # the image changes the answer
     assert text == image_chat(client, data_url(first))  # nothing is left over from the last
+
+
+def test_an_image_prompt_prefilled_in_chunks_answers_as_mlx_vlm_does(family_dir):
+    """Chunks of 8 tokens: the image's positions, Qwen3-VL's deepstack features and Qwen3.5's
+    recurrent state are each taken up a chunk at a time."""
+    engine = Engine(load_model(str(family_dir), device="cpu"), prefill_step_size=8)
+    image = ImageInput(png(112, 84, seed=1), "messages.[0].content.[0]", 4096 * 4096)
+    message = ChatMessage("user", QUESTION, images=(PlacedImage(0, image),))
+    request = engine.prepare([message], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    assert len(request.prompt_tokens) > 3 * 8
+    text = "".join(d.text for d in Generation(engine, request, None))
+    assert text == mlx_vlm_text(family_dir, png(112, 84, seed=1), QUESTION)
 
 
 def test_text_requests_batch_and_answer_as_mlx_vlm_does(family_client, family_dir):

@@ -183,4 +183,32 @@ def _qwen3_5(vocab_size: int, max_pixels: int) -> tuple[dict[str, Any], dict[str
     return config, processor
 
 
-FAMILIES = {"qwen2_vl": _qwen2_vl, "qwen3_5": _qwen3_5}
+def _qwen3_vl(vocab_size: int, max_pixels: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Qwen3-VL: attention layers with interleaved M-RoPE over the whole head, and deepstack
+    (a vision block's features added to the first language layer's image tokens)."""
+    config, processor = _qwen3_5(vocab_size, max_pixels)
+    config["model_type"] = "qwen3_vl"
+    config["text_config"] = {
+        "model_type": "qwen3_vl_text",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 1024,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "default",
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+    }
+    config["vision_config"].update(model_type="qwen3_vl", depth=2, deepstack_visual_indexes=[0])
+    return config, processor
+
+
+FAMILIES = {"qwen2_vl": _qwen2_vl, "qwen3_5": _qwen3_5, "qwen3_vl": _qwen3_vl}

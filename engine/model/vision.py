@@ -39,9 +39,9 @@ from ..vocabulary.images import PreparedImages
 logger = logging.getLogger(__name__)
 
 # mlx-vlm model types whose language model takes explicit M-RoPE ``position_ids``: Qwen2-VL's
-# and Qwen2.5-VL's (sections one after another) and Qwen3.5's (interleaved, over a part of each
-# head).
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_5")
+# and Qwen2.5-VL's (sections one after another), Qwen3-VL's (interleaved; its image prompt also
+# adds deepstack features to early layers) and Qwen3.5's (interleaved, over a part of each head).
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 # Families whose text runs through mlx-lm's own class for the language model, sharing mlx-vlm's
 # weights: Qwen3.5's gated delta net layers keep recurrent caches, which mlx-lm's batch merges
 # and pads as for the text-only checkpoint, and mlx-vlm's model batches its own way. Its image
@@ -214,6 +214,14 @@ def prefill_with_images(
     embeds = features.inputs_embeds
     positions = features.position_ids - features.rope_deltas.reshape(1, -1, 1)
     mx.eval(embeds, positions)
+    # Qwen3-VL's deepstack: features of vision blocks added to the image tokens of its first
+    # layers; it takes the whole prompt's mask and features, and picks a chunk's by the offset.
+    deepstack = {}
+    if features.deepstack_visual_embeds is not None:
+        deepstack = {
+            "visual_pos_masks": features.visual_pos_masks,
+            "deepstack_visual_embeds": features.deepstack_visual_embeds,
+        }
     total = len(tokens)
     for start in range(0, total - 1, step):
         end = min(start + step, total - 1)
@@ -222,6 +230,7 @@ def prefill_with_images(
             inputs_embeds=embeds[:, start:end],
             cache=own,
             position_ids=positions[:, :, start:end],
+            **deepstack,
         )
         mx.eval([c.state for c in own])
         if end == total - 1 and own is not kv:
