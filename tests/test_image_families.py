@@ -21,7 +21,7 @@ from mlx_trio.engine.vocabulary.prompt import ChatMessage, PlacedImage
 from tests.test_images import MAX_TOKENS, QUESTION, image_chat, mlx_vlm_text, serve
 from tests.tiny_vlm import build, data_url, png
 
-FAMILIES = ["qwen3_5", "qwen3_vl"]
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

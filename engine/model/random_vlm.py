@@ -211,4 +211,41 @@ def _qwen3_vl(vocab_size: int, max_pixels: int) -> tuple[dict[str, Any], dict[st
     return config, processor
 
 
-FAMILIES = {"qwen2_vl": _qwen2_vl, "qwen3_5": _qwen3_5, "qwen3_vl": _qwen3_vl}
+def _qwen3_5_moe(vocab_size: int, max_pixels: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Qwen3.5's mixture of experts (Qwen3.5-35B-A3B and others): Qwen3.5 with expert MLPs."""
+    config, processor = _qwen3_5(vocab_size, max_pixels)
+    config["model_type"] = "qwen3_5_moe"
+    config["text_config"].update(
+        model_type="qwen3_5_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    config["vision_config"]["model_type"] = "qwen3_5_moe"
+    return config, processor
+
+
+def _qwen3_vl_moe(vocab_size: int, max_pixels: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Qwen3-VL's mixture of experts (Qwen3-VL-30B-A3B and others)."""
+    config, processor = _qwen3_vl(vocab_size, max_pixels)
+    config["model_type"] = "qwen3_vl_moe"
+    config["text_config"].update(
+        model_type="qwen3_vl_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    config["vision_config"]["model_type"] = "qwen3_vl_moe"
+    return config, processor
+
+
+FAMILIES = {
+    "qwen2_vl": _qwen2_vl,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
+    "qwen3_vl": _qwen3_vl,
+    "qwen3_vl_moe": _qwen3_vl_moe,
+}

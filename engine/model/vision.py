@@ -41,13 +41,13 @@ logger = logging.getLogger(__name__)
 # mlx-vlm model types whose language model takes explicit M-RoPE ``position_ids``: Qwen2-VL's
 # and Qwen2.5-VL's (sections one after another), Qwen3-VL's (interleaved; its image prompt also
 # adds deepstack features to early layers) and Qwen3.5's (interleaved, over a part of each head).
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Families whose text runs through mlx-lm's own class for the language model, sharing mlx-vlm's
 # weights: Qwen3.5's gated delta net layers keep recurrent caches, which mlx-lm's batch merges
 # and pads as for the text-only checkpoint, and mlx-vlm's model batches its own way. Its image
 # prompt is prefilled by mlx-vlm's language model into mlx-vlm's caches, whose state then goes
 # to mlx-lm's (the same arrays: a conv window and a recurrent state, keys and values).
-TEXT_THROUGH_MLX_LM = ("qwen3_5",)
+TEXT_THROUGH_MLX_LM = ("qwen3_5", "qwen3_5_moe")
 
 
 @dataclass(frozen=True, slots=True)
