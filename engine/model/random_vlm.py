@@ -9,6 +9,7 @@ printable ones' maximum), so that every server's detokenizer shows the same text
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,41 +212,27 @@ def _qwen3_vl(vocab_size: int, max_pixels: int) -> tuple[dict[str, Any], dict[st
     return config, processor
 
 
-def _qwen3_5_moe(vocab_size: int, max_pixels: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Qwen3.5's mixture of experts (Qwen3.5-35B-A3B and others): Qwen3.5 with expert MLPs."""
-    config, processor = _qwen3_5(vocab_size, max_pixels)
-    config["model_type"] = "qwen3_5_moe"
-    config["text_config"].update(
-        model_type="qwen3_5_moe_text",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-    )
-    config["vision_config"]["model_type"] = "qwen3_5_moe"
-    return config, processor
+_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
-def _qwen3_vl_moe(vocab_size: int, max_pixels: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Qwen3-VL's mixture of experts (Qwen3-VL-30B-A3B and others)."""
-    config, processor = _qwen3_vl(vocab_size, max_pixels)
-    config["model_type"] = "qwen3_vl_moe"
-    config["text_config"].update(
-        model_type="qwen3_vl_moe_text",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    config["vision_config"]["model_type"] = "qwen3_vl_moe"
-    return config, processor
+def _experts(base: Callable[[int, int], tuple[dict[str, Any], dict[str, Any]]], **more: Any):
+    """The mixture-of-experts variant of the family ``base`` makes (Qwen3.5-35B-A3B's,
+    Qwen3-VL-30B-A3B's): its model types get ``_moe``, its text config experts."""
+
+    def make(vocab_size: int, max_pixels: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        config, processor = base(vocab_size, max_pixels)
+        family = f"{config['model_type']}_moe"
+        config["model_type"] = config["vision_config"]["model_type"] = family
+        config["text_config"].update(model_type=f"{family}_text", **_EXPERTS, **more)
+        return config, processor
+
+    return make
 
 
 FAMILIES = {
     "qwen2_vl": _qwen2_vl,
     "qwen3_5": _qwen3_5,
-    "qwen3_5_moe": _qwen3_5_moe,
+    "qwen3_5_moe": _experts(_qwen3_5, shared_expert_intermediate_size=32),
     "qwen3_vl": _qwen3_vl,
-    "qwen3_vl_moe": _qwen3_vl_moe,
+    "qwen3_vl_moe": _experts(_qwen3_vl, decoder_sparse_step=1, mlp_only_layers=[]),
 }
