@@ -75,7 +75,7 @@ def vision_family(path: Path) -> str | None:
 def takes_images(path: Path) -> bool:
     """Whether the checkpoint at ``path`` loads here as a vision model: a vision-language
     model of a family in ``FAMILIES``, with mlx-vlm installed. Others load through mlx-lm as
-    they did before images (Qwen3.5, Gemma 3, Mistral 3 and others: mlx-lm drops their vision
+    they did before images (Gemma 3, Mistral 3 and others: mlx-lm drops their vision
     weights), their language model serving text, and an image request to them is refused."""
     family = vision_family(path)
     if family is None:
