@@ -77,9 +77,10 @@ def save_random_vlm(
     model = module.Model(model_config)
     mx.random.seed(seed)
     model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.5, model.parameters()))
-    head = model.language_model.lm_head.weight
-    printable = mx.arange(head.shape[0])[:, None] < PRINTABLE_IDS
-    model.language_model.lm_head.weight = mx.where(printable, head, 0.0)
+    if hasattr(model.language_model, "lm_head"):  # a tied head is the embeddings
+        head = model.language_model.lm_head.weight
+        printable = mx.arange(head.shape[0])[:, None] < PRINTABLE_IDS
+        model.language_model.lm_head.weight = mx.where(printable, head, 0.0)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     return path

@@ -142,7 +142,13 @@ def language_model(parts: VisionParts, config: dict[str, Any]) -> nn.Module:
             mode=quantization.get("mode", "affine"),
             class_predicate=lambda p, _m: f"{p}.scales" in weights,
         )
-    text.load_weights(list(weights.items()), strict=True)
+    try:
+        text.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:  # names or shapes that do not match
+        logger.warning("mlx-lm's %s class does not take mlx-vlm's arrays: %s", parts.family, exc)
+        raise UnsupportedModelError(
+            f"mlx-lm's {parts.family} class does not take this checkpoint's weights"
+        ) from exc
     return text
 
 
