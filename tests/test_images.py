@@ -325,9 +325,9 @@ def test_an_image_prompt_prefills_a_chunk_a_call_and_stops_between_them(vlm_dir)
 
 @pytest.fixture(scope="module")
 def text_server(tmp_path_factory: pytest.TempPathFactory):
-    """A vision model of a family whose images this server does not take (Qwen3.5's config
+    """A vision model of a family whose images this server does not take (Gemma 3's config
     has a ``vision_config``): it loads through mlx-lm as before images, and serves text."""
-    model = save("qwen3_5", tmp_path_factory.mktemp("models") / "tiny-qwen3_5")
+    model = save("gemma3_text", tmp_path_factory.mktemp("models") / "tiny-gemma3")
     config = json.loads((model / "config.json").read_text())
     config["vision_config"] = {"depth": 1, "hidden_size": 16}
     (model / "config.json").write_text(json.dumps(config))
@@ -339,7 +339,7 @@ def text_server(tmp_path_factory: pytest.TempPathFactory):
 def test_a_vision_model_whose_images_are_not_taken_still_serves_text(text_server):
     client = openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="none", max_retries=0)
     reply = client.chat.completions.create(
-        model="tiny-qwen3_5",
+        model="tiny-gemma3",
         messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
         max_tokens=4,
     )
@@ -357,7 +357,7 @@ def test_a_text_model_or_a_server_without_urls_refuses_the_part(text_server, url
     client = openai.OpenAI(base_url=f"{text_server.url}/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
-            model="tiny-qwen3_5",
+            model="tiny-gemma3",
             messages=[
                 {
                     "role": "user",
@@ -393,6 +393,6 @@ def test_a_screenshot_past_a_text_bodys_limit_is_taken_by_a_vision_model_only(se
         ],
     }
     for running, status in ((server, 200), (text_server, 413)):
-        body["model"] = "tiny-vlm" if running is server else "tiny-qwen3_5"
+        body["model"] = "tiny-vlm" if running is server else "tiny-gemma3"
         reply = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == status, reply.text

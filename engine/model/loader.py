@@ -33,7 +33,13 @@ from ..errors import InvalidRequestError, UnsupportedModelError
 from ..vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from .gguf import Progress
 from .model_store import resolve_model
-from .vision import VisionParts, load_processor, load_vision_model, takes_images
+from .vision import (
+    VisionParts,
+    language_model,
+    load_processor,
+    load_vision_model,
+    takes_images,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +98,8 @@ def load_model(
         if takes_images(resolved.path):
             if split is not None:
                 raise UnsupportedModelError("a vision model cannot be split over ranks yet")
-            model, vision, config = load_vision_model(resolved.path, resolved.model_id)
+            vision, config = load_vision_model(resolved.path, resolved.model_id)
+            model = vision.model  # its tower too, cast below; the language model after
         else:
             model, config = mlx_lm_load_model(resolved.path, lazy=split is not None)
         if split is not None:
@@ -107,17 +114,16 @@ def load_model(
             message = f"mlx-lm could not load model {resolved.model_id!r} ({type(exc).__name__})"
         raise UnsupportedModelError(message) from exc
     weights = ""
-    whole = model if vision is None else vision.model  # a vision model's tower too
     if on_cpu:
-        if bits := quantized_bits(whole):
+        if bits := quantized_bits(model):
             weights = f"float32, {dequantized_from(bits)}"
         # Scales go to float32 first: dequantizing from float16 is much slower on CPU (design/024).
-        whole.set_dtype(mx.float32)
-        whole = dequantize_model(whole)
-        if vision is None:
-            model = whole
+        model.set_dtype(mx.float32)
+        model = dequantize_model(model)
     if on_cpu or split is not None:
-        mx.eval(whole.parameters())
+        mx.eval(model.parameters())
+    if vision is not None:
+        model = language_model(vision, config)  # on the arrays the cast made
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
