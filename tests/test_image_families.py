@@ -6,6 +6,7 @@ it; text requests to the same model batch, each answering mlx-vlm's own text.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,9 +16,11 @@ import pytest
 
 from mlx_trio.engine.generate import Engine, Generation
 from mlx_trio.engine.model.loader import load_model
+from mlx_trio.engine.model.vision import has_vision_weights
 from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.vocabulary.images import ImageInput
 from mlx_trio.engine.vocabulary.prompt import ChatMessage, PlacedImage
+from tests import families
 from tests.test_images import MAX_TOKENS, QUESTION, image_chat, mlx_vlm_text, serve
 from tests.tiny_vlm import build, data_url, png
 
@@ -110,3 +113,19 @@ def test_qwen3_5s_text_model_holds_mlx_vlms_arrays_quantized_as_they_are(tmp_pat
     ours = text(ids, cache=make_prompt_cache(text))
     expected = model.language_model(ids, cache=model.language_model.make_cache()).logits
     assert mx.allclose(ours, expected, atol=1e-4).item()
+
+
+def test_a_text_only_conversion_of_a_vision_model_serves_text_through_mlx_lm(tmp_path):
+    """A conversion that dropped the tower (as mlx-lm's does) keeps the ``vision_config``: with
+    no vision weights to load, the checkpoint is a text model, as it was before images."""
+    model = families.save("qwen3_5", tmp_path / "qwen3_5-text")
+    config = json.loads((model / "config.json").read_text())
+    config["vision_config"] = {"depth": 1, "hidden_size": 16}
+    (model / "config.json").write_text(json.dumps(config))
+    assert not has_vision_weights(model)
+    assert has_vision_weights(build(tmp_path / "with-tower", family="qwen3_5"))
+    loaded = load_model(str(model), device="cpu")
+    assert loaded.vision is None
+    engine = Engine(loaded)
+    request = engine.prepare("Hello", SamplingParams(max_tokens=3, temperature=0))
+    assert len([t for d in engine.generate(request) for t in d.token_ids]) == 3

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,13 @@ def takes_images(path: Path) -> bool:
             ", ".join(FAMILIES),
         )
         return False
+    if not has_vision_weights(path):
+        logger.info(
+            "%s: a vision model's config without vision weights (a text-only conversion); "
+            "its language model serves text",
+            path.name,
+        )
+        return False
     if importlib.util.find_spec("mlx_vlm") is None:
         logger.warning(
             "%s: a vision model, and mlx-vlm is not installed (scripts/setup.sh installs it); "
@@ -97,6 +104,32 @@ def takes_images(path: Path) -> bool:
         )
         return False
     return True
+
+
+# Where a checkpoint's vision tower lives, by its weights' names: mlx-vlm's and Hugging Face's.
+VISION_WEIGHTS = ("vision_tower.", "visual.", "model.visual.", "vision_model.")
+
+
+def has_vision_weights(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` holds a vision tower's weights, by their names in its
+    safetensors index or headers (a text-only conversion of a vision model, as mlx-lm makes,
+    keeps the ``vision_config`` and drops the tower)."""
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names: Iterable[str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        else:
+            names = [name for file in path.glob("*.safetensors") for name in _header(file)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return any(name.startswith(VISION_WEIGHTS) for name in names)
+
+
+def _header(file: Path) -> dict[str, Any]:
+    """A safetensors file's header: its tensors by name (a length, then that much JSON)."""
+    with file.open("rb") as stream:
+        size = int.from_bytes(stream.read(8), "little")
+        return json.loads(stream.read(size))
 
 
 def load_vision_model(path: Path, model_id: str) -> tuple[VisionParts, dict[str, Any]]:
