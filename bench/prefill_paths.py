@@ -30,8 +30,9 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 
-from mlx_trio.engine.batch.alone import PAD_GRANULE, AlonePrefill
+from mlx_trio.engine.batch.alone import AlonePrefill
 from mlx_trio.engine.model.random_model import random_llama
+from mlx_trio.engine.padded_prefill import PAD_GRANULE
 
 SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,

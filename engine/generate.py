@@ -39,6 +39,7 @@ from .model.adapters import Adapters, AdapterSpec, mount
 from .model.loader import LoadedModel, load_model
 from .model.vision import prefill_with_images
 from .outputs import AdapterInfo, Delta, GenerationStats
+from .padded_prefill import offset_progress
 from .params import PreparedRequest, SamplingParams, Speculation
 from .preparer import RequestPreparer
 from .speculative.draft_model import load_draft, with_draft
@@ -126,7 +127,7 @@ class Generation:
         if images is not None:
             while self.prefill_step():  # what prefill_step calls have not done yet
                 pass
-            on_progress = _offset_progress(on_progress, len(prompt) - 1)
+            on_progress = offset_progress(on_progress, len(prompt) - 1)
             skip = len(prompt) - 1
         elif (
             prompt_cache is not None and self._engine.caches.checkpoints and len(prompt) - skip > 1
@@ -135,7 +136,7 @@ class Generation:
             # (engine/batch/caches.py): prefilled here, kept, then generate_step goes on from there.
             done = self._prefill(prompt[skip:-1], kv, len(prompt) - skip)
             prompt_cache.put(prompt[: skip + done], copy.deepcopy(kv), salt)
-            on_progress = _offset_progress(on_progress, done)
+            on_progress = offset_progress(on_progress, done)
             skip += done
         processors = make_row_processors(params, self._engine.tokenizer)
         steps = open_steps(
@@ -152,6 +153,7 @@ class Generation:
             on_progress=on_progress,
             counts=self._decoder.drafts,
             draft_model=self._engine.draft_model,
+            pad_prefill=self._engine.pads_prefill,
         )
         generated: list[int] = []
         try:
@@ -204,13 +206,6 @@ def _with_adapter(model: Any, select: Select, slot: int, *args: Any, **kwargs: A
         return model(*args, **kwargs)
 
 
-def _offset_progress(on_progress: ProgressCallback | None, done: int) -> ProgressCallback | None:
-    """``generate_step``'s progress past ``done`` tokens prefilled before it."""
-    if on_progress is None or done == 0:
-        return on_progress
-    return lambda processed, total: on_progress(processed + done, total + done)
-
-
 class Engine:
     """A loaded model and what can be done with it, one call at a time."""
 
@@ -243,6 +238,9 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.prefill_step_size = prefill_step_size
+        # A GPU builds kernels per prefill shape: the serial lane's and a lone row's prompts are
+        # prefilled in chunks padded so that their shapes repeat (engine/padded_prefill.py).
+        self.pads_prefill = loaded.device == "gpu"
         self.kv_scheme = kv_scheme
         self._make_caches = kv_scheme.maker()
         self.caches = CacheAbilities.of(self.model, self._make_caches)

@@ -41,12 +41,12 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 # isort: split
 import mlx.core as mx
 
-from .batch.alone import PAD_GRANULE
 from .batch.batch import BatchEngine
 from .batch.prompt_cache import PromptCache
 from .batch.schedule import MIN_CHUNK, TokenBudget
 from .errors import EngineError
 from .generate import Engine
+from .padded_prefill import PAD_GRANULE
 from .params import PreparedRequest, SamplingParams
 from .vocabulary.images import ImageInput
 from .vocabulary.prompt import ChatMessage, PlacedImage

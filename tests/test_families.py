@@ -27,6 +27,7 @@ from mlx_trio.actors.engine_port.thread import EngineThread, ThreadedEngine
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.api.inprocess import Collected, RuntimeHandle, open_runtime
 from mlx_trio.api.server import ServeOptions
+from mlx_trio.engine import padded_prefill
 from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.batch.caches import CacheAbilities
 from mlx_trio.engine.batch.schedule import TokenBudget
@@ -34,6 +35,7 @@ from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.model.random_model import in_memory
 from mlx_trio.engine.options import EngineOptions
 from mlx_trio.engine.outputs import RowOutput
+from mlx_trio.engine.padded_prefill import can_pad
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from tests.families import FAMILIES, RECURRENT, make_engine, make_model, mlx_lm_greedy, save
 from tests.server_thread import ServerThread
@@ -123,6 +125,31 @@ def test_long_prompts_prefilled_alone_give_mlx_lms_greedy_text(family):
     batch = BatchEngine(engine, max_batch=4, prefill_chunk=8, budget=ALONE)
     assert run_batch(batch, requests) == want[:4]
     assert run_batch(batch, [follow_up, requests[1]]) == [want[4], want[1]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompts_prefilled_in_padded_chunks_give_mlx_lms_greedy_text(family, monkeypatch):
+    """The GPU's way for the serial lane and a lone row (``engine/padded_prefill.py``): the
+    prompt fed in chunks padded so that their shapes repeat, the padding trimmed back off; a
+    model whose caches would keep some of the padding is fed unpadded."""
+    fed: list[int] = []
+
+    def feed_padded(model: Any, tokens: Any, caches: list[Any], *, max_chunk: int) -> None:
+        fed.append(len(tokens))
+        real_feed(model, tokens, caches, max_chunk=max_chunk)
+
+    real_feed = padded_prefill.feed_padded
+    monkeypatch.setattr(padded_prefill, "feed_padded", feed_padded)
+    engine = make_engine(family, prompt_cache_bytes=1 << 26)
+    engine.pads_prefill = True
+    requests = [engine.prepare(p, GREEDY) for p in PROMPTS]
+    want = expected(engine, requests)
+    assert [serial(engine, r)[0] for r in requests] == want
+    assert serial(engine, requests[0])[0] == want[0]  # past a prompt-cache hit
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16)
+    assert run_batch(batch, requests[3:]) == want[3:]  # a lone row, solo where it can rewind
+    assert bool(fed) == can_pad(engine.new_caches())
+    assert can_pad(engine.new_caches()) == (family in ("llama", "llama-4bit", "qwen3", "qwen3_moe"))
 
 
 @pytest.mark.parametrize("family", RECURRENT)

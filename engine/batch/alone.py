@@ -13,10 +13,8 @@ goes to mlx-lm's batch with that token and those caches, as a prompt-cache hit d
 with the others.
 
 Shapes repeat: MLX builds kernels per shape on a GPU, so a row's last chunk is padded on the right
-to a multiple of ``PAD_GRANULE`` tokens (at most to ``max_chunk``), and the padding is trimmed
-off the caches afterwards (the causal mask keeps the real tokens from seeing it). Only where
-every cache is a plain ``KVCache``, which trims exactly; a recurrent state would read the
-padding.
+to a multiple of ``PAD_GRANULE`` tokens and the padding trimmed off the caches afterwards
+(``engine/padded_prefill.py``), where the caches trim exactly.
 """
 
 from __future__ import annotations
@@ -31,14 +29,12 @@ from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
 # isort: split
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..padded_prefill import can_pad, feed_padded
 
 if TYPE_CHECKING:
     from .batch_rows import BatchRow
-
-# A last chunk is padded to a multiple of this many tokens: at most 15 last-chunk shapes per
-# 2,048-token chunk, and at most 127 padded tokens (6% of a 2,048-token prompt).
-PAD_GRANULE = 128
 
 Commit = Callable[[list[int], list[Any], str | None], None]
 # Builds the forwards inside with row i on adapter slot slots[i] (engine/model/adapters.py).
@@ -98,7 +94,7 @@ class AlonePrefill:
         # Models whose prompt-cache entries are reused from their exact end only get one where
         # a repeat of the request starts: its prompt but the last token (engine/batch/caches.py).
         self._checkpoints = checkpoints
-        self._pads = pad and all(type(c) is KVCache for c in make_caches(model))
+        self._pads = pad and can_pad(make_caches(model))
         self._rows: dict[int, AloneRow] = {}
 
     def __len__(self) -> int:
@@ -162,14 +158,11 @@ class AlonePrefill:
     def _prefill(self, entry: AloneRow, chunk: int) -> None:
         """Feed the row's next ``chunk`` prompt tokens (lazily: :meth:`step` evaluates)."""
         piece = entry.rest[entry.done : entry.done + chunk]
-        pad = min(-chunk % PAD_GRANULE, self._max_chunk - chunk) if self._pads else 0
-        if pad > 0:
-            piece = piece + [piece[-1]] * pad
         with self._select([entry.row.adapter_slot]):
-            self._model(mx.array(piece)[None], cache=entry.caches)
-        if pad > 0:
-            for cache in entry.caches:
-                cache.trim(pad)
+            if self._pads:
+                feed_padded(self._model, piece, entry.caches, max_chunk=self._max_chunk)
+            else:
+                self._model(mx.array(piece)[None], cache=entry.caches)
         entry.done += chunk
 
     def close(self) -> None:

@@ -113,6 +113,7 @@ class SoloRow:
             speculation=self._engine.speculation_for(row.decoder.params),
             counts=row.decoder.drafts,
             draft_model=self._engine.draft_model,
+            pad_prefill=self._engine.pads_prefill,
         )
 
     def step(self) -> tuple[int, mx.array, int | None]:

@@ -33,6 +33,7 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from ..padded_prefill import can_pad, offset_progress, prefill_then
 from ..params import Speculation
 from ..vocabulary.grammar import GrammarProcessor
 from ..vocabulary.sampling import with_history
@@ -221,11 +222,41 @@ def open_steps(
     on_progress: Callable[[int, int], None] | None = None,
     counts: DraftCounts | None = None,
     draft_model: Any = None,
+    pad_prefill: bool = False,
 ) -> Iterator[tuple[int, mx.array]]:
     """A row's steps from ``prompt`` over ``caches`` (which hold ``history``): mlx-lm's
     ``generate_step``, or :class:`SpeculativeSteps` where the row speculates (``speculation``:
     resolved, ``plan.resolve``; ``counts``: where its drafts are counted; ``draft_model``: the
-    engine's, for the method ``draft_model``). Close it when done."""
+    engine's, for the method ``draft_model``). ``pad_prefill``: prefill the prompt in chunks
+    whose shapes repeat (``engine/padded_prefill.py``; a GPU's), where the caches allow. Close
+    it when done."""
+    if pad_prefill and len(prompt) > 1 and can_pad(caches):
+
+        def steps(last: Sequence[int], done: int) -> Iterator[tuple[int, mx.array]]:
+            return open_steps(
+                model,
+                last,
+                caches=caches,
+                history=[*history, *prompt[:done]],
+                max_tokens=max_tokens,
+                sampler=sampler,
+                processors=processors,
+                prefill_step_size=prefill_step_size,
+                speculation=speculation,
+                on_progress=offset_progress(on_progress, done),
+                counts=counts,
+                draft_model=draft_model,
+            )
+
+        return prefill_then(
+            model,
+            history,
+            prompt,
+            caches,
+            max_chunk=prefill_step_size,
+            stream=generation_stream,
+            steps=steps,
+        )
     processors = with_history(processors, list(history))
     if speculation is None:
         return generate_step(
