@@ -21,10 +21,8 @@ model; ``GenerationRequest(..., adapter="tuned")`` runs with one (``rt.adapters`
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -47,6 +45,7 @@ from ..actors.port import EnginePort
 from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
 from ..engine.budget import MemoryLimit
+from ..engine.child import freeze_heap
 from ..engine.options import AdapterSpec, EngineOptions
 from ..engine.outputs import AdapterInfo
 from ..engine.vocabulary.prompt import Prompt
@@ -356,22 +355,9 @@ def runtime_options(
 
 
 def freeze_startup_heap() -> int:
-    """Collect garbage once, then move every object alive now out of the garbage collector's
-    reach (``gc.freeze``); returns how many. Call it once the model is loaded and the runtime
-    started: those objects live as long as the process, and a full collection walks them all
-    while holding the GIL, so every stream waits (several times longer than with the startup
-    heap frozen: design/024).
-    Objects freed by reference counting still are; only a reference cycle among the frozen
-    ones would never be collected. vLLM's server does the same after its warm-up."""
-    start = time.perf_counter()
-    gc.collect()
-    collected_s = time.perf_counter() - start
-    gc.freeze()
-    frozen = gc.get_freeze_count()
-    logger.info(
-        "startup heap: %d objects moved out of the garbage collector's way "
-        "(a full collection took %.0f ms)",
-        frozen,
-        collected_s * 1e3,
-    )
-    return frozen
+    """Move every object alive now out of the garbage collector's reach (``gc.freeze``, after
+    a collection; ``engine/child.py``'s ``freeze_heap``); returns how many. Call it once the
+    model is loaded and the runtime started: a full collection walks the startup heap while
+    holding the GIL, so every stream waits (several times longer than with the startup heap
+    frozen: design/024)."""
+    return freeze_heap("startup heap")
