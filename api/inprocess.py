@@ -45,7 +45,7 @@ from ..actors.port import EnginePort
 from ..actors.runtime import Runtime, open_runtime_actors
 from ..actors.session import Session
 from ..engine.budget import MemoryLimit
-from ..engine.child import freeze_heap
+from ..engine.heap import freeze_heap
 from ..engine.options import AdapterSpec, EngineOptions
 from ..engine.outputs import AdapterInfo
 from ..engine.vocabulary.prompt import Prompt
@@ -356,7 +356,7 @@ def runtime_options(
 
 def freeze_startup_heap() -> int:
     """Move every object alive now out of the garbage collector's reach (``gc.freeze``, after
-    a collection; ``engine/child.py``'s ``freeze_heap``); returns how many. Call it once the
+    a collection; ``engine/heap.py``); returns how many. Call it once the
     model is loaded and the runtime started: a full collection walks the startup heap while
     holding the GIL, so every stream waits (several times longer than with the startup heap
     frozen: design/024)."""
