@@ -15,9 +15,10 @@ def freeze_heap(what: str) -> int:
     reach (``gc.freeze``); logs it as ``what`` and returns how many. Once the model is
     loaded and warmed up: those objects live as long as the process, and a full collection
     walks them all, stalling whatever the process does meanwhile (an engine process's steps:
-    70-120 ms at a request's start on the H200, design/030; the event loop's streams,
-    design/024). Objects freed by reference counting still are; only a reference cycle among
-    the frozen ones would never be collected. vLLM's server does the same after its warm-up."""
+    230-260 ms a collection of the 8B shape's engine process on the H200, design/030; the
+    event loop's streams, design/024). Objects freed by reference counting still are; only a
+    reference cycle among the frozen ones would never be collected. vLLM's server does the
+    same after its warm-up."""
     start = time.perf_counter()
     gc.collect()
     collected_s = time.perf_counter() - start
