@@ -63,7 +63,7 @@ class Runtime:
         self.batch_group = BatchGroup(
             engine,
             self.arbiter.inbox,
-            max_batch=config.max_batch,
+            max_batch=config.batch_rows,
             step_timeout_s=config.step_timeout_s,
             inbox_size=inbox_size,
             admission_window_s=config.admission_window_s,
@@ -90,7 +90,7 @@ class Runtime:
 
     def place(self, request: GenerationRequest, reason: str | None) -> Lane:
         """The lane for a request: serial if batching is off, asked for, or impossible."""
-        if self.config.max_batch == 1 or request.reproducible or reason is not None:
+        if self.config.batch_rows == 1 or request.reproducible or reason is not None:
             return "serial"
         return "batch"
 
@@ -297,7 +297,7 @@ class Runtime:
             memory=self.engine.memory_usage(),
             batch_limit=batch.batch_limit,
             out_of_memory=batch.out_of_memory,
-            batch_mode="off" if self.config.max_batch == 1 else self.engine.batch_mode,
+            batch_mode="off" if self.config.batch_rows == 1 else self.engine.batch_mode,
             media=self._media,
         )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..actors.config import RuntimeConfig
+from ..actors.config import CPU_MAX_BATCH, GPU_MAX_BATCH, RuntimeConfig
 from .cli_args import (
     MAX_BYTES,
     MAX_ROWS,
@@ -75,7 +75,8 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         "--max-batch",
         type=integer(1, MAX_ROWS),
         default=None,
-        help=f"rows per batch (1: no batching; default: {RUNTIME.max_batch})",
+        help=f"rows per batch (1: no batching; default: {CPU_MAX_BATCH} on the CPU, "
+        f"{GPU_MAX_BATCH} on a GPU)",
     )
     serve.add_argument(
         "--max-live",

@@ -309,8 +309,10 @@ async def open_runtime(
         return
     # A model directory here: its kernel primers (``engine/primers.py``) start now, before the
     # engine's modules are imported here (seconds on a cold host), not after.
+    from ..engine.devices import runs_on_gpu
     from ..engine.primers import KernelPrimers, local_model_dir
 
+    config = config.on_device(gpu=runs_on_gpu(options.device))
     local = local_model_dir(options.model)
     with (
         nullcontext()

@@ -161,6 +161,7 @@ def test_the_in_process_api_runs_a_named_adapter_and_refuses_an_unknown_one(adap
     async def main() -> tuple[str, str]:
         async with open_runtime(device="cpu", adapters={"cat": adapters["cat"]}) as rt:
             assert [a.name for a in rt.adapters] == ["cat"]
+            assert rt.config.max_batch == 32  # none given: the CPU's default
             with pytest.raises(UnknownAdapterError, match="adapter 'dog' is not served"):
                 await rt.submit(GenerationRequest(chat(PROMPTS[0]), GREEDY, adapter="dog"))
             tuned = await rt.collect(GenerationRequest(chat(PROMPTS[0]), GREEDY, adapter="cat"))

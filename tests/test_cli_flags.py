@@ -333,7 +333,17 @@ def test_serve_without_flags_takes_every_default_from_the_options_dataclasses(mo
     options = serve_options(build_parser().parse_args(["serve"]))
     assert options == ServeOptions()
     assert (options.engine, options.runtime) == (EngineOptions(), RuntimeConfig())
-    assert (options.runtime.max_batch, options.runtime.max_queued) == (32, 256)
+    assert (options.runtime.max_batch, options.runtime.max_queued) == (None, 256)
+
+
+def test_max_batch_not_given_is_the_devices_and_a_given_one_is_kept():
+    """32 rows on the CPU, 256 on a GPU (design/030, section 5); ``--max-batch`` wins on both."""
+    default = serve_options(build_parser().parse_args(["serve"])).runtime
+    assert default.on_device(gpu=False).max_batch == 32
+    assert default.on_device(gpu=True).max_batch == 256
+    assert default.on_device(gpu=True).live_limit == 512
+    given = serve_options(build_parser().parse_args(["serve", "--max-batch", "8"])).runtime
+    assert given.on_device(gpu=True).max_batch == given.on_device(gpu=False).max_batch == 8
 
 
 def test_serve_flags_land_in_the_engine_and_runtime_options():

@@ -42,16 +42,18 @@ async def open_engine(
     options: EngineOptions, config: RuntimeConfig, *, primers: KernelPrimers | None = None
 ) -> AsyncIterator[CorePort]:
     """The engine ``options`` describe, booted (loaded, its memory budget planned, warmed up)
-    for a batch of ``config.max_batch`` rows, on a thread or in a process, under a supervisor
-    that restarts it when it dies or wedges (``config.max_engine_restarts`` in a crash loop,
-    then it gives up; design/016). Entering raises what loading the model raises. On exit the
-    engine is stopped (a process asked to end, then killed if it does not).
+    for a batch of ``config.max_batch`` rows (None: the device's default), on a thread or in a
+    process, under a supervisor that restarts it when it dies or wedges
+    (``config.max_engine_restarts`` in a crash loop, then it gives up; design/016). Entering
+    raises what loading the model raises. On exit the engine is stopped (a process asked to
+    end, then killed if it does not).
 
     The model is resolved (downloaded or imported if need be) first; then, on a GPU, kernel
     primers compile the warm-up's kernels (``engine/primers.py``; ``primers``: started already,
     by a caller that could start them sooner) while an engine process starts and the tokenizer
     loads here beside it."""
     options = placed(options)
+    config = config.on_device(gpu=runs_on_gpu(options.device))
     resolved = await trio.to_thread.run_sync(resolve_model, options.model)
     with ExitStack() as stack:
         if primers is None:

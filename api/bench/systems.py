@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 SERVERS = ("mlx-trio", "mlx_lm")
 F32_MODEL_NAME = "smollm2-135m-instruct-f32"
-# mlx-trio runs with --max-batch 32, its default. The in-process raw BatchGenerator prefills 8
-# prompts at once in chunks of 256 tokens, as mlx-trio's batch engine did before its token
-# budget (engine/batch/batch.py without one).
+# The in-process systems batch up to 32 rows; `mlx-trio serve` runs with its default (32 rows
+# on the CPU, 256 on a GPU) and mlx_lm.server with its own (32). The in-process raw
+# BatchGenerator prefills 8 prompts at once in chunks of 256 tokens, as mlx-trio's batch
+# engine did before its token budget (engine/batch/batch.py without one).
 MAX_BATCH = 32
 PREFILL_BATCH = 8
 PREFILL_CHUNK = 256
@@ -170,7 +171,7 @@ def server_spec(
     """
     host = ("--host", "127.0.0.1", "--port", str(port))
     if system == "mlx-trio":
-        argv = (python, "-m", "mlx_trio.api.cli", "serve", *host, "--max-batch", str(MAX_BATCH))
+        argv = (python, "-m", "mlx_trio.api.cli", "serve", *host)
         if model_dir is not None:
             argv += ("--model", str(model_dir.resolve()))
         return ServerSpec(system, argv, model=None)
