@@ -10,7 +10,7 @@ small batch (``SMALL_BATCH`` rows or fewer, where the loop's work per call is sm
 step a call instead and lets the engine run that many steps ahead of its calls: each call hands
 out what was sampled meanwhile, at once, and the engine does not wait for the loop either. An
 engine in a process of its own on a GPU shares neither the loop's GIL nor its cores, so batches
-of up to 64 rows run that way there (design/030).
+of every size run that way there (design/030).
 
 :class:`BatchLimit`: how many rows the batch admits. A step that fails to allocate memory halves
 it; each ``RECOVER_AFTER_CALLS`` engine calls that succeed give one row back, up to
@@ -29,12 +29,11 @@ logger = logging.getLogger(__name__)
 # may add at most this share to the call's steps; it is measured as the calls run.
 LOOP_SHARE = 0.03
 # An engine in a process of its own on a GPU runs ahead of calls that hand out every step's
-# tokens up to SMALL_BATCH_APART rows and every STEPS_APART steps' up to LARGE_BATCH_APART;
-# larger batches keep calls of several steps, where handing out a step or two at a time lost
-# 15-25% of the H200's tok/s at 128-256 streams (design/030).
+# tokens up to SMALL_BATCH_APART rows and every STEPS_APART steps' beyond: at 128 and 256 rows
+# of the 8B shape on an H200, a client's gap p50 28 / 40 ms against 224 / 336 ms with calls of
+# several steps, and 1.09x / 1.05x the tok/s (design/030, section 5).
 SMALL_BATCH_APART = 16
 STEPS_APART = 2
-LARGE_BATCH_APART = 64
 # Bounds how long a row's tokens wait to be sent (what 16 steps take: design/024).
 MAX_STEPS_PER_CALL = 16
 # Batches of at most this many rows get their tokens as they are sampled (one step a call,
@@ -78,11 +77,10 @@ class CallPacer:
         """The next call's ``(steps, ahead)`` for a batch of ``rows`` (``steps``): a small
         batch that would run several steps a call runs one and lets the engine run as many
         ahead. An engine ``apart`` (in a process of its own on a GPU, whose steps the loop's
-        work does not slow) runs ahead of such calls up to ``LARGE_BATCH_APART`` rows, each
-        handing out every token sampled since the last: at least one step's up to
-        ``SMALL_BATCH_APART`` rows, ``STEPS_APART`` steps' beyond (each call costs the engine
-        time a row)."""
-        if self.fixed is None and apart and not single and rows <= LARGE_BATCH_APART:
+        work does not slow) runs ahead of such calls at every batch size, each handing out
+        every token sampled since the last: at least one step's up to ``SMALL_BATCH_APART``
+        rows, ``STEPS_APART`` steps' beyond (each call costs the engine time a row)."""
+        if self.fixed is None and apart and not single:
             return (1 if rows <= SMALL_BATCH_APART else STEPS_APART), MAX_STEPS_PER_CALL
         steps = self.steps(single=single)
         if self.fixed is None and steps > 1 and rows <= SMALL_BATCH:

@@ -532,14 +532,14 @@ async def test_a_lone_stream_gets_its_tokens_as_sampled_and_a_large_batch_in_cal
     assert {steps for steps, _ in lone} == {1} and max(ahead for _, ahead in lone) > 1
 
 
-@pytest.mark.parametrize(("sessions", "steps"), [(16, 1), (64, STEPS_APART), (96, None)])
+@pytest.mark.parametrize(("sessions", "steps"), [(16, 1), (64, STEPS_APART), (96, STEPS_APART)])
 async def test_an_engine_in_a_process_of_its_own_hands_out_tokens_every_step_or_two(
     autojump_clock, sessions, steps
 ):
     # The 10 ms steps above, the engine in a process of its own (the loop's work does not slow
     # its steps): calls let the engine run ahead, each handing out the tokens of a step (16
-    # rows) or two (64, where each call costs the engine time a row); the scripted engine runs
-    # none ahead, so a call runs them. A larger batch keeps calls of several steps.
+    # rows) or two (64 and 96, where each call costs the engine time a row); the scripted engine
+    # runs none ahead, so a call runs them.
     chunks: list[int] = []
 
     async def run(i: int) -> None:
@@ -552,11 +552,8 @@ async def test_an_engine_in_a_process_of_its_own_hands_out_tokens_every_step_or_
             nursery.start_soon(run, i)
     assert sum(chunks) == sessions * 40
     decoding = [steps for steps, ahead in engine.calls if ahead]
-    if steps is None:
-        assert not decoding and engine.num_batch_calls < engine.num_batch_steps / 2
-    else:
-        assert max(chunks) == steps and set(decoding) == {steps}
-        assert len(decoding) >= 39 // steps
+    assert max(chunks) == steps and set(decoding) == {steps}
+    assert len(decoding) >= 39 // steps
 
 
 async def test_several_steps_a_call_still_cancel_and_count_tokens(autojump_clock):
