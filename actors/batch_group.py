@@ -11,8 +11,8 @@ a step that passes the watchdog abandons them. The lease goes back when no row i
 
 An engine call may run several steps, each row getting its tokens of all of them in one event
 (``batch_policy.CallPacer``: the event loop's work per call holds the GIL the engine needs);
-an engine in a process of its own on a GPU instead runs ahead of calls of a step or two (up to
-64 rows), each handing out what was sampled since the last.
+an engine in a process of its own on a GPU instead runs ahead of calls of a step or two (every
+batch size), each handing out what was sampled since the last.
 Rows join, leave and park between calls; while a row waits to join, calls are single steps. A
 row's first token ends its call; the other rows then keep that short call's tokens for the next
 call (``BatchEngine.step``), so their tokens still come in events of a whole call's steps.
