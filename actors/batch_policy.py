@@ -31,7 +31,7 @@ LOOP_SHARE = 0.03
 # An engine in a process of its own on a GPU runs ahead of calls that hand out every step's
 # tokens up to SMALL_BATCH_APART rows and every STEPS_APART steps' beyond: at 128 and 256 rows
 # of the 8B shape on an H200, a client's gap p50 28 / 40 ms against 224 / 336 ms with calls of
-# several steps, and 1.09x / 1.05x the tok/s (design/030, section 5).
+# several steps, and 0.91-1.09x the tok/s over two loans (design/030, section 5).
 SMALL_BATCH_APART = 16
 STEPS_APART = 2
 # Bounds how long a row's tokens wait to be sent (what 16 steps take: design/024).

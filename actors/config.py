@@ -16,8 +16,9 @@ from .port import ALWAYS_UP, EngineLiveness
 DEFAULT_RETRY_AFTER_S = 1.0
 # ``max_batch`` where none is given, by where the model runs. On the CPU a step is the
 # arithmetic, and more rows than this share the cores without adding tok/s; on a GPU a step
-# of 128 rows costs 1.3x one of 32 (the 8B shape on an H200), and at 128 streams the default
-# of 32 left 96 of them queued: 1,829 tok/s against 4,116-5,326 with 256 (design/030, §5).
+# of 128 rows costs about what one of 32 does (the 8B shape on an H200: 14.8 against 16.0 ms),
+# and at 128 streams the default of 32 left 96 of them queued: 1,829 tok/s against
+# 4,116-5,326 with 256 (design/030, section 5).
 CPU_MAX_BATCH = 32
 GPU_MAX_BATCH = 256
 
