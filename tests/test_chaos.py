@@ -7,9 +7,11 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import pytest
 import trio
@@ -138,12 +140,78 @@ def run_http(plan: FaultPlan) -> ChaosReport:
     return trio.run(partial(run_scripted, plan, http=True))
 
 
+def client_faults_plan(seed: int) -> FaultPlan:
+    return FaultPlan.generate(seed, 40, CLIENT_KINDS)
+
+
+def leak_over_http() -> list:
+    """The invariants' checks of a plan run over HTTP on the leaky engine."""
+    plan = FaultPlan.generate(3, 40, ("consumer_close", "cancel"))
+
+    async def run():
+        result = await run_plan(plan, LeakyEngine(Script()), http=True)
+        return check_invariants(result, scripted_reference)
+
+    return trio.run(run)
+
+
+# The scripted engine's runs over HTTP, by the test that checks each. They run in real time and
+# mostly wait (a hang lasts 15 watchdog periods; requests arrive over seconds): a few percent
+# of a core each, so they run side by side, each in a thread of its own with its own server,
+# and take about as long together as the longest alone.
+HTTP_RUNS: dict[tuple[str, Any], Callable[[], Any]] = {
+    **{
+        ("test_every_client_fault_over_http_keeps_every_invariant", seed): partial(
+            run_http, client_faults_plan(seed)
+        )
+        for seed in (0, 1)
+    },
+    **{
+        ("test_engine_faults_over_http_keep_every_invariant", seed): partial(
+            run_http, FaultPlan.generate(seed, 40, ENGINE_FAULTS)
+        )
+        for seed in (0, 1)
+    },
+    ("test_shutdown_and_a_burst_over_http_keep_every_invariant", None): partial(
+        run_http, FaultPlan.generate(4, 40, ("shutdown", "burst", "disconnect", "cancel"))
+    ),
+    ("test_the_http_harness_catches_a_leak", None): leak_over_http,
+    ("test_chaos_command_over_http_prints_the_table_and_exits_0", None): partial(
+        chaos_command, "--http", "--requests", "60", "--seed", "3"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def over_http(request: pytest.FixtureRequest) -> dict[tuple[str, Any], Future]:
+    """The HTTP runs of this module's selected tests, run side by side; each test takes its
+    own run's result (or its exception). All of them have ended when this returns, so none
+    runs beside a later test (``test_a_broken_invariant_over_http_exits_1`` patches the
+    scripted engine's class)."""
+    return run_side_by_side(request, HTTP_RUNS)
+
+
+def run_side_by_side(
+    request: pytest.FixtureRequest, runs: dict[tuple[str, Any], Callable[[], Any]]
+) -> dict[tuple[str, Any], Future]:
+    """Run those of ``runs`` whose test (the key's first item) is selected, each in a thread of
+    its own; return their futures once every one has ended."""
+    selected = {
+        item.originalname for item in request.session.items if item.module is request.module
+    }
+    chosen = {key: run for key, run in runs.items() if key[0] in selected}
+    with ThreadPoolExecutor(max(1, len(chosen))) as pool:
+        futures = {key: pool.submit(run) for key, run in chosen.items()}
+    return futures
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
-def test_every_client_fault_over_http_keeps_every_invariant(seed):
-    plan = FaultPlan.generate(seed, 40, CLIENT_KINDS)
+def test_every_client_fault_over_http_keeps_every_invariant(seed, over_http):
+    plan = client_faults_plan(seed)
     assert set(plan.planned) == set(CLIENT_KINDS)
-    report = run_http(plan)
+    report = over_http["test_every_client_fault_over_http_keeps_every_invariant", seed].result()
+    assert report.run.plan == plan
     assert report.ok, report.table()
     hung_up = [r for r in report.run.requests if r.unseen]
     assert hung_up, "the clients that hung up never learn their outcome"
@@ -155,8 +223,8 @@ def test_every_client_fault_over_http_keeps_every_invariant(seed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
-def test_engine_faults_over_http_keep_every_invariant(seed):
-    report = run_http(FaultPlan.generate(seed, 40, ENGINE_FAULTS))
+def test_engine_faults_over_http_keep_every_invariant(seed, over_http):
+    report = over_http["test_engine_faults_over_http_keep_every_invariant", seed].result()
     assert report.ok, report.table()
     assert report.run.injected == report.run.plan.planned, report.table()
     # The hang was injected, and /health said 503 while the run went on.
@@ -166,22 +234,16 @@ def test_engine_faults_over_http_keep_every_invariant(seed):
 
 
 @pytest.mark.slow
-def test_shutdown_and_a_burst_over_http_keep_every_invariant():
-    report = run_http(FaultPlan.generate(4, 40, ("shutdown", "burst", "disconnect", "cancel")))
+def test_shutdown_and_a_burst_over_http_keep_every_invariant(over_http):
+    report = over_http["test_shutdown_and_a_burst_over_http_keep_every_invariant", None].result()
     assert report.ok, report.table()
     assert any(r.refused for r in report.run.requests), "the burst or the shutdown refused none"
     assert report.run.health_status == 503  # shut down
 
 
 @pytest.mark.slow
-def test_the_http_harness_catches_a_leak():
-    plan = FaultPlan.generate(3, 40, ("consumer_close", "cancel"))
-
-    async def run():
-        result = await run_plan(plan, LeakyEngine(Script()), http=True)
-        return check_invariants(result, scripted_reference)
-
-    checks = trio.run(run)
+def test_the_http_harness_catches_a_leak(over_http):
+    checks = over_http["test_the_http_harness_catches_a_leak", None].result()
     quiescence = next(c for c in checks if c.name.startswith("quiescent"))
     assert not quiescence.ok
     assert "engine rows" in quiescence.detail and "kv bytes" in quiescence.detail
@@ -210,8 +272,8 @@ def test_a_broken_invariant_over_http_exits_1(monkeypatch, capsys, restore_loggi
 
 
 @pytest.mark.slow
-def test_chaos_command_over_http_prints_the_table_and_exits_0():
-    result = chaos_command("--http", "--requests", "60", "--seed", "3")
+def test_chaos_command_over_http_prints_the_table_and_exits_0(over_http):
+    result = over_http["test_chaos_command_over_http_prints_the_table_and_exits_0", None].result()
     assert "requests, over HTTP" in result.stdout
     assert "| exactly one outcome each | yes |" in result.stdout
     assert "| unseen (client hung up) |" in result.stdout
@@ -362,18 +424,43 @@ def test_operation_scripts_keep_the_invariants(ops):
     trio.run(run_script, ops, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-@pytest.mark.e2e
-def test_short_chaos_runs_on_the_default_model_in_process_and_over_http():
-    """One fault-free pass, then two plans of the same requests: in-process (a failing sampler
-    among the faults) and over HTTP, where the streamed text of untouched requests equals the
-    fault-free pass's."""
+def short_runs_on_model() -> list[ChaosReport]:
     in_process = FaultPlan.generate(
         11, 12, ("step_error", "sampler_error", "consumer_close", "cancel"), step_s=0.1
     )
     over_http = FaultPlan.generate(11, 12, ("step_error", "consumer_close", "cancel"), step_s=0.1)
-    report, http_report = trio.run(
-        run_plans_on_model, [(in_process, False), (over_http, True)], None
-    )
+    return trio.run(run_plans_on_model, [(in_process, False), (over_http, True)], None)
+
+
+def engine_crash_on_model() -> ChaosReport:
+    plan = FaultPlan.generate(1, 20, ("engine_crash", "step_error", "cancel"), step_s=0.1)
+    return trio.run(run_on_model, plan, None)
+
+
+# The two runs on the default model, by the test that checks each: their requests arrive over
+# real time (6 and 10 s a pass) and an engine process restarts, so each keeps about half a core
+# busy; side by side (a thread each: one engine in a thread, the other in a process of its own)
+# they take little more than the longer alone.
+MODEL_RUNS: dict[str, Callable[[], Any]] = {
+    "test_short_chaos_runs_on_the_default_model_in_process_and_over_http": short_runs_on_model,
+    "test_a_chaos_run_that_kills_the_engine_process_on_the_default_model": engine_crash_on_model,
+}
+
+
+@pytest.fixture(scope="module")
+def on_model(request: pytest.FixtureRequest) -> dict[str, Future]:
+    """The model runs of this module's selected tests, side by side, all ended on return."""
+    return run_side_by_side(request, {(name, None): run for name, run in MODEL_RUNS.items()})
+
+
+@pytest.mark.e2e
+def test_short_chaos_runs_on_the_default_model_in_process_and_over_http(on_model):
+    """One fault-free pass, then two plans of the same requests: in-process (a failing sampler
+    among the faults) and over HTTP, where the streamed text of untouched requests equals the
+    fault-free pass's."""
+    report, http_report = on_model[
+        "test_short_chaos_runs_on_the_default_model_in_process_and_over_http", None
+    ].result()
     assert report.ok, report.table()
     assert http_report.ok, http_report.table()
     assert "over HTTP" in http_report.table()
@@ -398,11 +485,12 @@ def test_short_chaos_runs_on_the_default_model_in_process_and_over_http():
 
 
 @pytest.mark.e2e
-def test_a_chaos_run_that_kills_the_engine_process_on_the_default_model():
+def test_a_chaos_run_that_kills_the_engine_process_on_the_default_model(on_model):
     """SIGKILL of the engine process under load: its rows fail, requests sent while it restarts
     are refused engine_unavailable, the rest match the fault-free pass, nothing is held."""
-    plan = FaultPlan.generate(1, 20, ("engine_crash", "step_error", "cancel"), step_s=0.1)
-    report = trio.run(run_on_model, plan, None)
+    report = on_model[
+        "test_a_chaos_run_that_kills_the_engine_process_on_the_default_model", None
+    ].result()
     assert report.ok, report.table()
     assert report.run.injected["engine_crash"] == 1
     assert report.run.statistics.engine.restarts == 1 and report.run.statistics.is_healthy
