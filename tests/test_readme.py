@@ -66,7 +66,8 @@ def test_the_sdk_examples_run_against_a_real_server(tmp_path):
     with ServerThread(ServeOptions(runtime=RuntimeConfig(max_batch=4))) as server:
         server.wait_healthy()
         model = model_id(server)
-        outputs = []
+        # Both at once, as two users would (the server batches them): each a script of its own.
+        running = []
         for name, block in (("structured", structured), ("tools", tools)):
             script = tmp_path / f"{name}.py"
             script.write_text(
@@ -74,11 +75,25 @@ def test_the_sdk_examples_run_against_a_real_server(tmp_path):
                     '"smollm2-135m-instruct"', repr(model)
                 )
             )
-            result = subprocess.run(
-                [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+            running.append(
+                subprocess.Popen(
+                    [sys.executable, str(script)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
             )
-            assert result.returncode == 0, result.stderr
-            outputs.append(result.stdout)
+        try:
+            done = [process.communicate(timeout=300) for process in running]
+        finally:
+            for process in running:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        outputs = []
+        for process, (stdout, stderr) in zip(running, done, strict=True):
+            assert process.returncode == 0, stderr
+            outputs.append(stdout)
     assert outputs[0].startswith("name=") and "population=" in outputs[0]
     assert outputs[1].startswith("GetWeather city=")
 
