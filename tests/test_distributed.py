@@ -7,14 +7,10 @@ new group; a rank killed while the group is idle is noticed at once, not at the 
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
-from contextlib import suppress
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -57,46 +53,6 @@ SLOW_STEPS = {"step_timeout_s": 120.0}
 
 def chat(question: str) -> tuple[ChatMessage, ...]:
     return (ChatMessage("user", question),)
-
-
-# What ``mlx.launch`` forwards of its stdin to each rank's: more than a pipe holds (64 KiB).
-LAUNCHER_STDIN_BYTES = 256 << 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def launcher_with_a_full_stdin() -> Iterator[None]:
-    """Each ``mlx.launch`` the engine starts here gets a stdin of newlines (more than a pipe
-    holds), its write end left open, instead of this process's (``/dev/null`` on a pytest-xdist
-    worker). The launcher copies its stdin to every rank's in a loop of ``select`` calls that
-    never wait while a rank's stdin pipe has room or its own stdin is at end of file: a core
-    busy for as long as the group runs, taken from the ranks and the other worker's tests.
-    Once the ranks' pipes are full (they never read them) and its own is empty but open, the
-    loop waits. The command, its session and everything else are the engine's own."""
-    from mlx_trio.actors.engine_port import ranks
-
-    held: list[int] = []
-
-    def popen(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
-        read, write = os.pipe()
-        with suppress(OSError):  # a pipe of 64 KiB then: the ranks' pipes fill a little less
-            fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, LAUNCHER_STDIN_BYTES)
-        os.set_blocking(write, False)
-        with suppress(BlockingIOError):
-            os.write(write, b"\n" * LAUNCHER_STDIN_BYTES)
-        held.append(write)
-        try:
-            return subprocess.Popen(command, stdin=read, **kwargs)  # type: ignore[call-overload]
-        finally:
-            os.close(read)
-
-    with pytest.MonkeyPatch.context() as patch:
-        shim = SimpleNamespace(Popen=popen, TimeoutExpired=subprocess.TimeoutExpired)
-        patch.setattr(ranks, "subprocess", shim)
-        try:
-            yield
-        finally:
-            for fd in held:
-                os.close(fd)
 
 
 @pytest.fixture(scope="module")
