@@ -149,17 +149,22 @@ async def test_ranks_give_one_process_greedy_tokens_through_cancel_and_disconnec
 
 
 def rank_pids(rank: int) -> list[int]:
-    """Processes of ``python -m mlx_trio.engine.ranks.rank`` that mlx.launch made rank ``rank``."""
-    found = []
+    """Processes of ``python -m mlx_trio.engine.ranks.rank`` that mlx.launch made rank ``rank``.
+
+    Not a rank's own fork before it execs (MLX's ``system("g++ --version")``, ctypes'
+    ``ldconfig -p``): it has the rank's command line and environment for a moment, longer on a
+    loaded machine, and is no rank."""
+    found: dict[int, int] = {}  # pid: parent's pid
     for proc in Path("/proc").iterdir():
         try:
             command = (proc / "cmdline").read_bytes()
             environ = (proc / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
         if b"mlx_trio.engine.ranks.rank" in command and f"MLX_RANK={rank}".encode() in environ:
-            found.append(int(proc.name))
-    return found
+            found[int(proc.name)] = parent
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 @pytest.fixture(scope="module")
