@@ -27,6 +27,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: first id of GET /v1/models")
     parser.add_argument("--requests-per-client", type=int, default=1)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="default: greedy")
+    parser.add_argument(
+        "--prompt-offset", type=int, default=0, help="first prompt's index (another run's: unseen)"
+    )
     parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S)
     parser.add_argument("--run-timeout", type=float, default=None)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -45,6 +49,8 @@ def main() -> None:
         model=args.model,
         requests_per_client=args.requests_per_client,
         api_key=args.api_key,
+        temperature=args.temperature,
+        prompt_offset=args.prompt_offset,
         request_timeout_s=args.request_timeout,
         run_timeout_s=args.run_timeout,
     )

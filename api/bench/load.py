@@ -141,13 +141,13 @@ async def _client_loop(
             first_tokens.started(client_id)
 
 
-def _request_body(model: str, text: str, max_tokens: int) -> dict:
+def _request_body(model: str, text: str, max_tokens: int, temperature: float = 0.0) -> dict:
     return {
         "model": model,
         "messages": [{"role": "user", "content": text}],
         "stream": True,
         "stream_options": {"include_usage": True},
-        "temperature": 0,
+        "temperature": temperature,
         "repetition_penalty": 1.0,  # not the model's default: the raw runs compared have none
         "max_tokens": max_tokens,
     }
@@ -173,11 +173,13 @@ async def run_load(
     prompt_of: Callable[[int], str] = prompt,
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     run_timeout_s: float | None = None,
+    temperature: float = 0.0,
 ) -> LoadResult:
     """Run ``clients`` concurrent streaming clients against ``url`` and measure them.
 
     Client ``c`` sends prompts ``prompt_of(prompt_offset + c * requests_per_client + i)``
-    (a scenario's ``prompt``; the default is the ``chat`` scenario's). ``model`` is
+    (a scenario's ``prompt``; the default is the ``chat`` scenario's), greedy unless
+    ``temperature`` is set. ``model`` is
     the first id of ``GET /v1/models`` unless given. Each request is bounded by
     ``request_timeout_s``; the run by ``run_timeout_s`` (default: every request's timeout in
     sequence plus a margin): requests cut short or not sent by then count as ``run_timeout``.
@@ -198,6 +200,7 @@ async def run_load(
         api_key=api_key,
         request_timeout_s=request_timeout_s,
         run_timeout_s=run_timeout_s,
+        temperature=temperature,
     )
 
 
@@ -234,6 +237,7 @@ async def _run(
     api_key: str | None,
     request_timeout_s: float,
     run_timeout_s: float | None,
+    temperature: float = 0.0,
 ) -> LoadResult:
     """Each plan's client at once (the late ones gated), measured; see :func:`run_load`."""
     base = check_loopback(url)
@@ -266,7 +270,9 @@ async def _run(
                         _client_loop,
                         client,
                         client_id=c,
-                        bodies=[_request_body(model, text, n) for text, n in plan.requests],
+                        bodies=[
+                            _request_body(model, text, n, temperature) for text, n in plan.requests
+                        ],
                         timeout_s=request_timeout_s,
                         deadline=deadline,
                         results=per_client[c],
