@@ -174,19 +174,21 @@ class EngineCore:
         self._steps_counted = 0
 
     def step_ahead(self) -> bool:
-        """Idle work: a step of the next batch call, if it may run one; whether it ran one.
-        Timed for the thread count as a call's steps are (a small batch's steps mostly run
-        ahead of their calls)."""
+        """Idle work, a piece a call (``BatchEngine.step_ahead``: ended rows' KV to the prompt
+        cache, or a step of the next batch call); whether it did any. A step is timed for
+        the thread count as a call's steps are (a small batch's steps mostly run ahead of
+        their calls)."""
         batch = self._batch
         if batch is None or not batch.may_step_ahead():
             return False
         self.lead(AHEAD)  # the other ranks step ahead too
         if self._threads is None:
             return batch.step_ahead()
+        before = batch.steps_run
         self._threads.begin(batch.shape())
-        ran = batch.step_ahead()
-        self._threads.end(1 if ran else 0)
-        return ran
+        worked = batch.step_ahead()
+        self._threads.end(batch.steps_run - before)
+        return worked
 
     def _the_batch(self) -> BatchEngine:
         if self._batch is None:

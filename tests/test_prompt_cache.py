@@ -53,6 +53,8 @@ def batched(
                 tokens[event.row].extend(event.delta.token_ids)
                 if event.stats is not None:
                     cached[event.row] = event.stats.cached_tokens
+    while batch.step_ahead():  # idle work, as the engine thread does: the KV to the cache
+        pass
     return [(tokens[row], cached[row]) for row in rows]
 
 
@@ -232,6 +234,8 @@ def test_under_a_memory_budget_the_cache_keeps_to_what_the_live_rows_leave(loade
             held = max(core.projected_kv_bytes(), core.kv_bytes)
             assert cache.statistics().bytes + held <= core.memory.kv_pool
             core.batch_step()
+        while core.step_ahead():  # idle work: the ended rows' KV goes to the cache
+            pass
         assert cache.statistics().bytes <= core.memory.kv_pool
 
     for i in range(12):  # a row at a time: each leaves its KV to the cache, which evicts
@@ -260,3 +264,28 @@ def test_a_prompt_sharing_a_prefix_with_a_longer_entry_reuses_it_and_leaves_it_w
     assert shared - 2 <= cached <= shared + 2 and tokens == reference(loaded, other)  # "Wh"
     ((again, cached),) = batched(engine, [FIRST])
     assert again == first and cached == len(engine.prepare(FIRST, GREEDY).prompt_tokens) - 1
+
+
+def test_rows_reach_the_cache_once_their_last_tokens_are_out(loaded):
+    engine = engine_with_cache(loaded)
+    cache = engine.prompt_cache
+    assert cache is not None
+    prompts = [SYSTEM + f"Name a river in country number {i}." for i in range(4)]
+    batch = BatchEngine(engine, max_batch=4, prefill_chunk=16, solo=False)
+    for prompt in prompts:
+        batch.add(prepare(engine, prompt))
+    ended = 0
+    while batch.num_rows:
+        ending = sum(1 for e in batch.step() if isinstance(e, RowOutput) and e.stats)
+        assert cache.statistics().entries == ended  # not those whose tokens just went out
+        ended += ending
+    assert ended == len(prompts)
+    assert batch.step_ahead() and not batch.step_ahead()  # then one piece of idle work
+    assert cache.statistics().entries == len(prompts)
+    again = batch.add(prepare(engine, prompts[2]))
+    while batch.num_rows:
+        for event in batch.step():
+            if isinstance(event, RowOutput) and event.stats is not None:
+                assert event.row == again
+                prompt_tokens = len(engine.prepare(prompts[2], GREEDY).prompt_tokens)
+                assert event.stats.cached_tokens == prompt_tokens - 1

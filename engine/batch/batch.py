@@ -158,6 +158,7 @@ class BatchEngine:
 
     def _add_now(self, row_id: int, request: PreparedRequest) -> None:
         self._end_solo()
+        self._batch.flush_ended()  # the prompt may reuse what rows just ended with
         sampler = with_injected_fault(self._sampler_factory(request.params), request)
         if sampler is not None:
             sampler = guard_sampler(row_id, sampler, self._faults)
@@ -203,6 +204,7 @@ class BatchEngine:
             if row is not None and (uid := self._detach(row_id, row)) is not None:
                 uids.append(uid)
         self._batch.remove(uids)
+        self._batch.flush_ended()
 
     def _detach(self, row_id: int, row: BatchRow) -> int | None:
         """Stop stepping a row: a solo or parked row gives its KV to the prompt cache; a row in
@@ -315,6 +317,7 @@ class BatchEngine:
         holds and builds a new :class:`BatchEngine`.
         """
         self._raise_fault()
+        self._batch.flush_ended()
         self._admit_waiting()
         for _ in range(max(0 if self._ahead else 1, steps - self._ahead)):
             if not self.num_active or self._first_token:
@@ -327,31 +330,33 @@ class BatchEngine:
         return events
 
     def may_step_ahead(self) -> bool:
-        """Whether a step may run ahead of the next call: fewer than the last call allowed
-        have, no row got its first token since (it goes out at once with the next call), no
-        step ahead failed, and a row is being stepped."""
-        return not (
-            self._fault is not None
-            or self._ahead >= self._ahead_limit
-            or self._first_token
-            or not self.num_active
+        """Whether there is idle work (no step ahead failed): rows that ended wait to give
+        their KV to the prompt cache, or a step may run ahead of the next call (fewer than
+        the last call allowed have, no row got its first token since: it goes out at once
+        with the next call; and a row is being stepped)."""
+        if self._fault is not None:
+            return False
+        return self._batch.has_ended or not (
+            self._ahead >= self._ahead_limit or self._first_token or not self.num_active
         )
 
     def step_ahead(self) -> bool:
-        """Run one step of the next call before it comes, if it may (:meth:`may_step_ahead`).
-        Returns whether it stepped.
+        """Idle work, a piece a call: the KV of rows that ended goes to the prompt cache
+        (their tokens are out by now), else one step of the next call runs before it comes
+        (:meth:`may_step_ahead`). Returns whether it did either.
 
-        The engine thread calls this while no job waits. A step that raises here raises from
+        The engine thread calls this while no job waits. A piece that raises here raises from
         the next call instead (whichever it is), and none runs ahead until then.
         """
         if not self.may_step_ahead():
             return False
         try:
-            self._step_once()
+            if not self._batch.flush_ended():
+                self._step_once()
+                self._ahead += 1
         except Exception as exc:
             self._fault = exc
             return False
-        self._ahead += 1
         return True
 
     def _raise_fault(self) -> None:

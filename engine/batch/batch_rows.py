@@ -175,11 +175,21 @@ def guard_sampler(row_id: int, sampler: Sampler, faults: dict[int, str]) -> Samp
     return guarded
 
 
+# A row that left mlx-lm's batch: the tokens its KV caches hold, the caches, its salt.
+Ended = tuple[list[int], list[Any], str | None]
+
+
 def commit(engine: Engine, tokens: list[int], caches: list[Any] | None, salt: str | None) -> None:
     """Give the prompt cache, if any, KV ``caches`` that hold exactly ``tokens``, under
     ``salt``."""
     if engine.prompt_cache is not None and caches:
         engine.prompt_cache.put(tokens, caches, salt)
+
+
+def commit_many(engine: Engine, entries: list[Ended]) -> None:
+    """:func:`commit` for several rows' KV, evaluated together (one wait for the device)."""
+    if engine.prompt_cache is not None and entries:
+        engine.prompt_cache.put_many(entries)
 
 
 class GeneratorRows:
@@ -196,6 +206,9 @@ class GeneratorRows:
         )
         self._row_of_uid: dict[int, BatchRow] = {}
         self._detached: dict[int, str | None] = {}  # uids to remove, with their rows' salts
+        # Rows that left the batch, their KV not yet given to the prompt cache: that waits
+        # until their last tokens are out (flush_ended), and is evaluated for all at once.
+        self._ended: list[Ended] = []
         # Caches that cannot rewind (or stop when a window fills) are reused from their exact
         # end only: each prompt but its last token goes to the prompt cache as it is reached
         # (engine/batch/caches.py).
@@ -308,7 +321,8 @@ class GeneratorRows:
         return uid
 
     def remove(self, uids: Iterable[int]) -> None:
-        """Drop detached rows; what they had prefilled goes to the prompt cache."""
+        """Drop detached rows; what they had prefilled goes to the prompt cache (at the next
+        :meth:`flush_ended`)."""
         if not (uids := list(uids)):
             return
         salts = [self._detached.pop(uid, None) for uid in uids]
@@ -319,15 +333,36 @@ class GeneratorRows:
         for uid, salt in zip(uids, salts, strict=True):
             if (found := held.get(uid)) is not None:
                 caches, tokens = found
-                commit(self._engine, list(tokens), caches, salt)
+                self._ended.append((list(tokens), caches, salt))
+
+    @property
+    def has_ended(self) -> bool:
+        """Whether rows that left the batch wait to give their KV to the prompt cache."""
+        return bool(self._ended)
+
+    def flush_ended(self) -> bool:
+        """Give the prompt cache the KV of the rows that left the batch since the last flush;
+        whether there were any.
+
+        A step where many rows end (a burst's rows reaching ``max_tokens`` together) would
+        otherwise wait for the device once per row (``PromptCache.put`` evaluates each row's
+        slice of the batch's KV) before its tokens go out: 128 rows on a GPU, 128 waits.
+        The batch engine flushes as idle work, once the step's tokens are out, and before a
+        row is added (whose prompt may reuse them)."""
+        if not self._ended:
+            return False
+        ended, self._ended = self._ended, []
+        commit_many(self._engine, ended)
+        return True
 
     def step(
         self, step: int, progress: dict[int, RowProgress], touched: dict[int, BatchRow]
     ) -> bool:
         """One ``BatchGenerator.next()``: prefilling rows' ``progress``, and each generating
         row's token kept (the row then in ``touched``); whether a row got its first token. A
-        row that mlx-lm ends (stop token, ``max_tokens``) leaves, its KV to the prompt cache.
-        Rows prefilled alone take their chunks first; those done join mlx-lm's batch."""
+        row that mlx-lm ends (stop token, ``max_tokens``) leaves, its KV to the prompt cache
+        at the next :meth:`flush_ended`. Rows prefilled alone take their chunks first; those
+        done join mlx-lm's batch."""
         if self._alone:
             self._step_alone(progress)
         self._apply_budget()
@@ -361,8 +396,9 @@ class GeneratorRows:
             if response.finish_reason is not None:  # mlx-lm dropped the row, handed back its KV
                 del in_batch[response.uid]
                 row.uid = None
-                tokens = list(response.all_tokens or [])
-                commit(self._engine, tokens, response.prompt_cache, row.cache_salt)
+                if response.prompt_cache:
+                    tokens = list(response.all_tokens or [])
+                    self._ended.append((tokens, response.prompt_cache, row.cache_salt))
         return first_token
 
     def _step_alone(self, progress: dict[int, RowProgress]) -> None:
@@ -406,6 +442,7 @@ class GeneratorRows:
         self._alone.close()
         self._row_of_uid.clear()
         self._detached.clear()
+        self._ended.clear()
         self._generator.close()
 
 

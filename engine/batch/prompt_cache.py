@@ -173,21 +173,31 @@ class PromptCache:
     def put(self, tokens: list[int], cache: list[Any], salt: str | None = None) -> None:
         """Keep ``cache``, which holds the KV (or recurrent state) of exactly ``tokens``,
         under ``salt``."""
-        if len(tokens) < MIN_TOKENS or not cache:
-            return
-        held = tokens_held(cache)
-        if held is not None and held != len(tokens):
-            logger.debug("not caching: %d tokens but a KV offset of %d", len(tokens), held)
-            return
-        size = sum(c.nbytes for c in cache)
+        self.put_many([(tokens, cache, salt)])
+
+    def put_many(self, entries: list[tuple[list[int], list[Any], str | None]]) -> None:
+        """:meth:`put` for several ``(tokens, cache, salt)``, evaluated together."""
         limit = self.limit_bytes
-        if size > limit:
+        kept = [entry for entry in entries if self._fits(*entry[:2], limit)]
+        if not kept:
             return
         # A batch row's cache is a lazy slice of the whole batch's KV; left lazy it would keep
         # that whole buffer alive, many times what the budget counts (design/024). Evaluate it.
-        mx.eval([c.state for c in cache])
-        self._lru.insert_cache(self._partition(salt), list(tokens), cache)
+        mx.eval([c.state for _, cache, _ in kept for c in cache])
+        for tokens, cache, salt in kept:
+            self._lru.insert_cache(self._partition(salt), list(tokens), cache)
         self._trim(limit)
+
+    @staticmethod
+    def _fits(tokens: list[int], cache: list[Any], limit: int) -> bool:
+        """Whether ``cache`` is worth an entry for ``tokens`` and within ``limit`` bytes."""
+        if len(tokens) < MIN_TOKENS or not cache:
+            return False
+        held = tokens_held(cache)
+        if held is not None and held != len(tokens):
+            logger.debug("not caching: %d tokens but a KV offset of %d", len(tokens), held)
+            return False
+        return sum(c.nbytes for c in cache) <= limit
 
     def statistics(self) -> PromptCacheStatistics:
         return PromptCacheStatistics(
