@@ -35,7 +35,7 @@ from ..vocabulary.sampling import (
     make_row_processors,
     repair_random_state,
 )
-from . import lean_step
+from . import lean_step, masked_attention
 from .alone import AlonePrefill, AloneRow
 from .prompt_cache import PromptCache
 from .row import RowDecoder
@@ -214,7 +214,12 @@ class GeneratorRows:
         # (engine/batch/caches.py).
         self._checkpoints = engine.prompt_cache is not None and engine.caches.checkpoints
         # Log-probabilities only while a row wants them (engine/batch/lean_step.py).
-        lean_step.install(self._generator, self._wants_logprobs, self._select_adapters)
+        lean_step.install(
+            self._generator,
+            self._wants_logprobs,
+            self._select_adapters,
+            plain_masked=masked_attention.wanted(engine.loaded.device),
+        )
         self._alone = AlonePrefill(
             engine.model,
             max_chunk=budget.max_chunk,

@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from ..vocabulary.grammar import BatchMasks, GrammarProcessor, masked
+from .masked_attention import plain_masked_attention
 
 WantsLogprobs = Callable[[Sequence[int]], bool]
 # The forwards built inside run each row with its LoRA adapter (engine/model/adapters.py).
@@ -113,12 +114,14 @@ class AdapterPromptBatch(PromptProcessingBatch):
     """mlx-lm's prompt batch, each row's forwards with its own LoRA adapter: its prefill
     chunks, and the first decode step that ``generate`` runs as it hands the rows on. A
     subclass per generator holds ``select_adapters`` (mlx-lm's ``split`` copies a batch by
-    its class and known fields only)."""
+    its class and known fields only), and ``plain_masked``: its prefill attends in plain ops
+    (``masked_attention``: on CUDA, not through cuDNN's graph per shape)."""
 
     select_adapters: SelectAdapters
+    plain_masked: bool
 
     def prompt(self, tokens: list[list[int]]) -> None:
-        with self.select_adapters(self.uids):
+        with self.select_adapters(self.uids), plain_masked_attention(self.plain_masked):
             super().prompt(tokens)
 
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
@@ -127,16 +130,20 @@ class AdapterPromptBatch(PromptProcessingBatch):
 
 
 def install(
-    generator: BatchGenerator, wants_logprobs: WantsLogprobs, select_adapters: SelectAdapters
+    generator: BatchGenerator,
+    wants_logprobs: WantsLogprobs,
+    select_adapters: SelectAdapters,
+    plain_masked: bool = False,
 ) -> None:
     """Make ``generator``'s generation batch (created with it, and extended with every new
     group of rows) a :class:`LeanGenerationBatch`, and its prompt batch (the same) an
     :class:`AdapterPromptBatch`; ``select_adapters(uids)``: the rows' forwards, each with its
-    adapter."""
+    adapter; ``plain_masked``: the prompt batch's masked attention in plain ops."""
     batch = generator._generation_batch
     batch.__class__ = LeanGenerationBatch
     batch.wants_logprobs = wants_logprobs  # type: ignore[attr-defined]
     batch.select_adapters = select_adapters  # type: ignore[attr-defined]
     prompts = type("GeneratorPromptBatch", (AdapterPromptBatch,), {})
     prompts.select_adapters = staticmethod(select_adapters)  # type: ignore[assignment]
+    prompts.plain_masked = plain_masked
     generator._prompt_batch.__class__ = prompts
