@@ -75,14 +75,18 @@ class BatchGroup:
         step_timeout_s: float,
         inbox_size: int,
         admission_window_s: float = 0.0,
+        arrival_gap_s: float = 0.0,
         steps_per_call: int | None = None,
     ) -> None:
-        """``admission_window_s``: how long an empty batch waits for rows announced to it."""
+        """``admission_window_s``: how long an empty batch waits, at most, for a burst of rows
+        to arrive (:meth:`_wait_for_arrivals`); ``arrival_gap_s``: how long it waits for the
+        next row of a burst once every row announced to it is here."""
         self.engine = engine
         self._rows_coming = 0  # announced, and neither added nor withdrawn yet
         self.max_batch = max_batch
         self.limit = BatchLimit(max_batch)
         self.admission_window_s = admission_window_s
+        self.arrival_gap_s = arrival_gap_s
         self.pacer = CallPacer(steps_per_call)
         self.step_timeout_s = step_timeout_s
         self.inbox, self._recv = trio.open_memory_channel[BatchMessage](inbox_size)
@@ -251,14 +255,25 @@ class BatchGroup:
             await self._arbiter.send(Acquire("batch", self.inbox))
 
     async def _wait_for_arrivals(self) -> None:
-        """Before an empty batch's first step: wait, up to the admission window, for the rows
-        announced to it (:class:`RowsComing`) to come or be withdrawn, so that a burst is
-        prefilled together, in one batch of equal offsets, instead of one row a step ahead of
-        the rest. A lone request does not wait (design/008, change 14). With no member yet,
-        handling a message awaits nothing: only the receive meets the window's end."""
+        """Before an empty batch's first step: wait, up to the admission window, while a
+        burst arrives, so that it joins in one call instead of in waves, each a join of its
+        own (design/030, section 6). The rows announced to it (:class:`RowsComing`) are
+        waited for until they come or are withdrawn; then, where ``arrival_gap_s`` is set, the
+        next announcement, as long as one comes within that gap of the last (an HTTP server
+        admits a burst's requests one after another, a millisecond or two apart). A lone
+        request waits that gap at most (design/008, change 14). With no member yet, handling
+        a message awaits nothing: only the receives meet the window's end."""
         with trio.move_on_after(self.admission_window_s):
-            while self._rows_coming > 0 and not self._draining:
-                await self._handle(await self._recv.receive())
+            while not self._draining and len(self._pending) < self.limit.rows:
+                if self._rows_coming > 0:
+                    await self._handle(await self._recv.receive())
+                    continue
+                if self.arrival_gap_s <= 0:
+                    break
+                with trio.move_on_after(self.arrival_gap_s) as gap:
+                    await self._handle(await self._recv.receive())
+                if gap.cancelled_caught:
+                    break
         await self._take_waiting_messages()
 
     async def _admit(self) -> None:

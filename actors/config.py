@@ -34,11 +34,13 @@ class RuntimeConfig:
     buffers for a slow consumer; ``idle_timeout_s``: how long an event may wait for the consumer
     before the session is cancelled ``consumer_idle``. ``step_timeout_s``: the step watchdog.
     ``unhealthy_after_faults``: consecutive step faults that make ``is_healthy`` false.
-    ``admission_window_s``: how long an empty batch may wait, before its first step, for
-    requests on their way to it (being submitted), so that a burst is prefilled together; a
-    lone request does not wait. ``steps_per_call``: batch steps per engine call
-    (tokens per row per event); None picks it per call, 1 unless the event loop's measured CPU
-    time per call is a noticeable share of the call's steps (see ``BatchGroup``).
+    ``admission_window_s``: how long an empty batch may wait, before its first step, while a
+    burst arrives (requests on their way to it, being submitted, and, where ``arrival_gap_s``
+    is set, the next ones as long as each comes within that of the last), so that a burst is
+    prefilled together; a lone request waits ``arrival_gap_s`` at most. ``steps_per_call``:
+    batch steps per engine call (tokens per row per event); None picks it per call, 1 unless
+    the event loop's measured CPU time per call is a noticeable share of the call's steps (see
+    ``BatchGroup``).
     ``max_engine_restarts``: how many times the engine's supervisor restarts a dead or wedged
     engine within ten minutes before it gives up (0: never). ``retry_after_s``: what a refused
     client is told to wait (admission full, or the engine restarting). What the engine itself
@@ -61,6 +63,8 @@ class RuntimeConfig:
     retry_after_s: float = DEFAULT_RETRY_AFTER_S
     unhealthy_after_faults: int = 3
     admission_window_s: float = 0.005
+    # Off: waiting out an HTTP burst's arrivals was not a measured win (design/030, section 6).
+    arrival_gap_s: float = 0.0
     steps_per_call: int | None = None
     max_engine_restarts: int = 5
     event_buffer_tokens: int = 256
@@ -70,7 +74,8 @@ class RuntimeConfig:
         check_at_least(self, 1, "max_batch", "max_live", "event_buffer", "steps_per_call")
         check_at_least(self, 1, "event_buffer_tokens")
         check_at_least(self, 0, "max_queued", "shutdown_grace_s", "max_engine_restarts")
-        check_at_least(self, 0, "retry_after_s", "admission_window_s", "shutdown_settle_s")
+        check_at_least(self, 0, "retry_after_s", "admission_window_s", "arrival_gap_s")
+        check_at_least(self, 0, "shutdown_settle_s")
         check_at_least(self, 0, "idle_timeout_s", "step_timeout_s", above=True)
         check_at_least(self, 1, "unhealthy_after_faults")
 

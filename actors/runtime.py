@@ -67,6 +67,7 @@ class Runtime:
             step_timeout_s=config.step_timeout_s,
             inbox_size=inbox_size,
             admission_window_s=config.admission_window_s,
+            arrival_gap_s=config.arrival_gap_s,
             steps_per_call=config.steps_per_call,
         )
         self.serial = SerialExecutor(

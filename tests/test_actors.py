@@ -234,6 +234,52 @@ async def test_an_empty_batch_waits_for_the_rows_announced_to_it_within_its_wind
         nursery.cancel_scope.cancel()
 
 
+async def test_a_burst_that_arrives_a_row_at_a_time_joins_an_empty_batch_in_one_call(
+    autojump_clock,
+):
+    engine = ScriptedEngine(Script(step_s=0.01))
+    adds: list[tuple[float, int]] = []
+    rows = iter(range(1000))
+
+    def on_call(name: str) -> None:
+        if name == "batch_add":
+            adds.append((trio.current_time(), next(rows)))
+
+    engine.on_call = on_call
+    arbiter_send, arbiter_recv = trio.open_memory_channel[ArbiterMessage](8)
+    group = BatchGroup(
+        engine,
+        arbiter_send,
+        max_batch=8,
+        step_timeout_s=5,
+        inbox_size=64,
+        admission_window_s=0.1,
+        arrival_gap_s=0.003,
+    )
+    params = SamplingParams(temperature=0, max_tokens=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(group.run)
+        inboxes = [SessionInbox(lambda event: False, 16) for _ in range(6)]
+        for n, inbox in enumerate(inboxes[:5]):  # an HTTP server's pace: 2 ms apart
+            await group.inbox.send(RowsComing(1))
+            await group.inbox.send(AddRow(await engine.prepare(f"r{n}", params), inbox, True))
+            if n == 0:
+                (await arbiter_recv.receive()).grant.send_nowait(Lease(1, "batch"))
+            await trio.sleep(0.002)
+        for n, inbox in enumerate(inboxes[:5]):
+            assert await collect_row(inbox) == (expected(f"r{n}", 2), "length")
+        assert [t for t, _ in adds] == [pytest.approx(0.008 + 0.003)]  # one call, the gap after
+        assert group.statistics().rows_submitted == 5
+        assert await arbiter_recv.receive() == ReleaseLease(Lease(1, "batch"))
+        started = trio.current_time()  # a lone request waits out the gap, no longer
+        await group.inbox.send(RowsComing(1))
+        await group.inbox.send(AddRow(await engine.prepare("lone", params), inboxes[5], True))
+        (await arbiter_recv.receive()).grant.send_nowait(Lease(2, "batch"))
+        assert await collect_row(inboxes[5]) == (expected("lone", 2), "length")
+        assert adds[1][0] - started == pytest.approx(0.003)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_draining_batch_group_admits_nothing_new_and_hands_the_lease_back(
     autojump_clock,
 ):
