@@ -72,8 +72,18 @@ def scripted_budget(kv_pool_tokens: int) -> MemoryBudget:
 
 def expected_tokens(prompt_tokens: tuple[int, ...], n: int) -> list[int]:
     """The tokens the scripted engine generates for a prompt (never EOS)."""
-    seed = zlib.crc32(bytes(t % 256 for t in prompt_tokens))
-    return [1 + (seed + 7919 * i) % (VOCAB_SIZE - 1) for i in range(n)]
+    seed = token_seed(prompt_tokens)
+    return [nth_token(seed, i) for i in range(n)]
+
+
+def token_seed(prompt_tokens: tuple[int, ...]) -> int:
+    """What a prompt's generated tokens derive from (:func:`nth_token`)."""
+    return zlib.crc32(bytes(t % 256 for t in prompt_tokens))
+
+
+def nth_token(seed: int, i: int) -> int:
+    """The ``i``-th token (from 0) generated for a prompt of ``seed``."""
+    return 1 + (seed + 7919 * i) % (VOCAB_SIZE - 1)
 
 
 def token_text(token: int) -> str:
@@ -89,9 +99,11 @@ class ScriptedRow:
     parked: bool = False
     preparing: bool = False  # admitted to the rows being prepared (with a token budget)
     matcher: StopStringMatcher | None = None
+    seed: int = 0  # its tokens' (token_seed)
 
     def __post_init__(self) -> None:
         self.matcher = StopStringMatcher(self.request.params.stop)
+        self.seed = token_seed(self.request.prompt_tokens)
 
     @property
     def prompt_len(self) -> int:

@@ -48,6 +48,7 @@ from .script import (
     ends,
     expected_tokens,
     merge_steps,
+    nth_token,
     scripted_budget,
     token_text,
 )
@@ -399,7 +400,7 @@ class ScriptedEngine:
         if row.fault_at is not None and row.generated == row.fault_at:
             return RowFailed(row_id, f"injected sampler failure at token {row.generated}")
         params = row.request.params
-        token = expected_tokens(row.request.prompt_tokens, row.generated + 1)[-1]
+        token = nth_token(row.seed, row.generated)
         row.generated += 1
         finish: FinishReason | None = None
         if token in params.stop_token_ids:
