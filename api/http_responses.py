@@ -157,6 +157,10 @@ class EventStream(SseResponse):
         self.include_usage = include_usage
         # Logprobs of tokens whose text a reply splitter holds, by choice, until it is sent.
         self._held_logprobs: dict[int, list[TokenLogprob]] = {}
+        ex = exchange
+        self._text_chunks = fmt.TextChunks(
+            ex.kind, request_id=ex.request_id, created=ex.created, model=ex.model
+        )
 
     async def _stream(self, send: Send) -> None:
         ex = self.ex
@@ -234,7 +238,7 @@ class EventStream(SseResponse):
                 if records is not None:
                     held[index] = held.get(index, []) + list(records)
                 if splitter is None:
-                    await write(chunk(index, text=text, logprobs=self._logprobs(index)))
+                    await self._write_text(write, chunk, index, text)
                 else:
                     await self._write_pieces(write, chunk, index, splitter.feed(text))
             case Progress(done=done, total=total):
@@ -249,6 +253,19 @@ class EventStream(SseResponse):
                         finish_reason=ex.finish_reason(index, reason),
                     )
                 )
+
+    async def _write_text(
+        self,
+        write: Callable[[dict[str, Any] | bytes], Any],
+        chunk: Callable[..., dict[str, Any]],
+        index: int,
+        text: str,
+    ) -> None:
+        """A chunk of ``text``, with the logprobs held if any (else from the template)."""
+        if (logprobs := self._logprobs(index)) is None:
+            await write(self._text_chunks(index, text))
+        else:
+            await write(chunk(index, text=text, logprobs=logprobs))
 
     def _logprobs(self, index: int) -> Any:
         """The logprobs body of the tokens not yet sent with a chunk (None: none asked)."""
@@ -266,7 +283,7 @@ class EventStream(SseResponse):
         for piece in pieces:
             match piece:
                 case Content(text=text):
-                    await write(chunk(index, text=text, logprobs=self._logprobs(index)))
+                    await self._write_text(write, chunk, index, text)
                 case Reasoning(text=text):
                     await write(chunk(index, reasoning=text, logprobs=self._logprobs(index)))
                 case Called(call=call, index=number):

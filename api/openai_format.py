@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -203,6 +204,29 @@ def chunk_body(
         "model": model,
         "choices": [choice],
     }
+
+
+class TextChunks:
+    """The SSE bytes of a stream's common chunk, one that carries only text (no logprobs, no
+    finish reason): what ``chunk_body`` would give, encoded as the stream encodes it, from a
+    template per choice, so that a token's chunk is not a dict built and encoded anew (the
+    chunk's JSON was 12% of the event loop's time at 128 streams, design/030 section 6)."""
+
+    def __init__(self, kind: Kind, *, request_id: str, created: int, model: str) -> None:
+        self._kind = kind
+        head = chunk_body(kind, request_id=request_id, created=created, model=model, index=0)
+        del head["choices"]
+        self._head = json.dumps(head, separators=(",", ":"))[:-1]  # the closing brace cut
+        self._parts: dict[int, tuple[bytes, bytes]] = {}
+
+    def __call__(self, index: int, text: str) -> bytes:
+        if (parts := self._parts.get(index)) is None:
+            field = '"delta":{"content":' if self._kind == "chat" else '"text":'
+            closing = "}" if self._kind == "chat" else ""
+            prefix = f'data: {self._head},"choices":[{{"index":{index},{field}'
+            suffix = f'{closing},"finish_reason":null,"logprobs":null}}]}}\n\n'
+            parts = self._parts[index] = (prefix.encode(), suffix.encode())
+        return parts[0] + json.dumps(text).encode() + parts[1]
 
 
 def usage_chunk(kind: Kind, *, request_id: str, created: int, model: str, usage: Usage) -> dict:

@@ -10,6 +10,8 @@ import openai
 import pytest
 
 from mlx_trio.actors.testing.scripted import ScriptedEngine, expected_tokens, token_text
+from mlx_trio.api import openai_format as fmt
+from mlx_trio.api.http_responses import sse
 from mlx_trio.engine.vocabulary.reply import ReplySyntax
 from tests.server_thread import ServerThread
 
@@ -63,3 +65,13 @@ def test_tools_offered_leave_a_reply_without_calls_whole_with_its_logprobs(sdk, 
     assert all(not (c.delta if stream else c.message).tool_calls for c in choices)
     records = [r for c in choices if c.logprobs for r in c.logprobs.content or []]
     assert "".join(r.token for r in records) == expected  # held text's logprobs still sent
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_text_chunk_from_the_template_is_the_chunk_itself(kind):
+    ids = {"request_id": 'chatcmpl-"1"', "created": 1_700_000_000, "model": "org/modèle"}
+    chunks = fmt.TextChunks(kind, **ids)
+    for index in (0, 3):
+        for text in ["", "Paris", 'a "quote", a \\ and a\nnewline', "é 日本 🙂", "\x00\x1f\x7f"]:
+            want = sse(fmt.chunk_body(kind, index=index, text=text, **ids))
+            assert chunks(index, text) == want
