@@ -130,9 +130,14 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import trio
 
+    from ..engine import torchless
+
+    options = serve_options(args)
+    if torchless.wanted_for(options.engine.model):  # before the engine's imports, this process's
+        torchless.keep_out()
     from .server import serve
 
-    trio.run(serve, serve_options(args))
+    trio.run(serve, options)
     return 0
 
 

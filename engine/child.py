@@ -1,10 +1,12 @@
 """The engine process's side: its main loop, synchronous, on the process's main thread.
 
 The runtime's ``ProcessEngine`` (``mlx_trio.actors.engine_port.process``) starts a child with
-``spawn`` that runs :func:`serve_engine`: boot its core (``options.boot_core``), send
-:class:`EngineStarted`, then answer each call (``engine/calls.py``) with a :class:`Reply`, one
-for each, in order, over a ``multiprocessing.connection.Connection``. Between calls it steps the
-batch ahead, as the engine thread does.
+``spawn`` that runs :func:`serve_pickled_engine`: torch kept out first where the model is a text
+model (``engine/torchless.py``), then the recipe unpickled and :func:`serve_engine` run: boot its
+core (``options.boot_core``), send :class:`EngineStarted`, then answer each call
+(``engine/calls.py``) with a :class:`Reply`, one for each, in order, over a
+``multiprocessing.connection.Connection``. Between calls it steps the batch ahead, as the engine
+thread does.
 
 The child ignores SIGINT and SIGTERM: the parent decides when it ends (a ``None`` call, or the
 socket closing when the parent dies). A child that cannot build its engine sends the error back
@@ -20,13 +22,24 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from . import torchless
 from .calls import EngineState, Reply, answer
-from .core import clear_thread_streams
 from .errors import EngineProcessError
 from .heap import freeze_heap
 from .options import CoreRecipe, boot_core
 
 logger = logging.getLogger(__name__)
+
+
+def serve_pickled_engine(
+    connection: Connection, recipe: bytes, log_level: int, *, keep_torch_out: bool
+) -> None:
+    """:func:`serve_engine` of a pickled ``recipe``: this module imports none of the engine's
+    heavy modules (its core, mlx-lm), so where ``keep_torch_out`` they first see torch absent,
+    and the recipe, whose model loader imports them, is unpickled only after."""
+    if keep_torch_out:
+        torchless.keep_out()
+    serve_engine(connection, pickle.loads(recipe), log_level)
 
 
 def serve_engine(
@@ -86,6 +99,8 @@ def serve_engine(
                 elapsed = (time.perf_counter() - began) * 1e3
                 logger.debug("%s: %.2f ms, answered", type(call).__name__, elapsed)
     finally:
+        from .core import clear_thread_streams
+
         core.close()
         clear_thread_streams()
 

@@ -150,12 +150,15 @@ class CoreRecipe:
     """What :func:`boot_core` builds, as a thread, a child process or a rank receives it:
     ``build`` makes the engine (``EngineOptions.loader()``, or a test's tiny one; picklable for
     a process), its core batches up to ``max_batch`` rows, and ``warm_up`` runs its shapes, once
-    ``kernels`` (the kernel primers compiling them meanwhile, ``engine/primers.py``) are done."""
+    ``kernels`` (the kernel primers compiling them meanwhile, ``engine/primers.py``) are done.
+    ``keep_torch_out``: a process of its own imports the engine without torch
+    (``engine/torchless.py``)."""
 
     build: Callable[[], Engine]
     max_batch: int
     warm_up: bool = True
     kernels: PrimersDone | None = None
+    keep_torch_out: bool = False
 
 
 def boot_core(recipe: CoreRecipe) -> tuple[EngineCore, EngineStarted]:

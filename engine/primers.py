@@ -41,6 +41,7 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from . import torchless
 from .errors import UnsupportedModelError
 from .options import EngineOptions
 
@@ -203,6 +204,7 @@ class KernelPrimers:
         directory = Path(tempfile.mkdtemp(prefix="mlx-trio-primers-"))
         groups = groups_for(quantized=_is_quantized(model_path) and not _dequantized(options))
         context = multiprocessing.get_context("spawn")
+        keep_torch_out = torchless.wanted(model_path)
         # The first layer alone: no adapters, no ranks, no draft model (its kernels are the
         # model's own, and each primer would load it whole).
         recipe = replace(
@@ -216,7 +218,7 @@ class KernelPrimers:
         processes = {
             group: context.Process(
                 target=prime,
-                args=(recipe, group, max_batch, directory / group, cache, force),
+                args=(recipe, group, max_batch, directory / group, cache, force, keep_torch_out),
                 name=f"mlx-trio-primer-{group}",
                 daemon=True,
             )
@@ -257,9 +259,13 @@ def prime(
     scratch: Path,
     cache: Path,
     force: bool = False,
+    keep_torch_out: bool = False,
 ) -> None:
     """A primer process's main: compile ``group``'s kernels into ``scratch``, then publish them
-    to ``cache``. Logs and returns on any failure: the engine compiles what is missing."""
+    to ``cache``. Logs and returns on any failure: the engine compiles what is missing.
+    ``keep_torch_out``: import the engine without torch (``engine/torchless.py``)."""
+    if keep_torch_out:
+        torchless.keep_out()
     os.environ["MLX_PTX_CACHE_DIR"] = str(scratch)  # read by MLX at its first compile
     logging.basicConfig(
         level=logging.WARNING,

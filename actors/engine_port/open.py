@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import trio
 
+from ...engine import torchless
 from ...engine.calls import EngineStarted
 from ...engine.devices import runs_on_gpu
 from ...engine.model.loader import load_tokenizer_only
@@ -65,6 +66,7 @@ async def open_engine(
             max_batch=config.max_batch,
             warm_up=options.warm_up,
             kernels=primers.done if primers is not None and options.warm_up else None,
+            keep_torch_out=torchless.wanted(resolved.path),
         )
         policy = RestartPolicy(
             max_restarts=config.max_engine_restarts, step_timeout_s=config.step_timeout_s

@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar, cast
 import trio
 
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
-from ...engine.child import serve_engine
+from ...engine.child import serve_pickled_engine
 from ...engine.errors import EngineProcessError
 from ...engine.options import CoreRecipe
 from ...engine.preparer import RequestPreparer
@@ -275,8 +275,9 @@ async def open_process_transport(
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe(duplex=True)  # a socket pair on POSIX
     process = context.Process(
-        target=serve_engine,
-        args=(theirs, recipe, logging.getLogger().level),
+        target=serve_pickled_engine,
+        args=(theirs, pickle.dumps(recipe), logging.getLogger().level),
+        kwargs={"keep_torch_out": recipe.keep_torch_out},
         name="mlx-trio-engine",
         daemon=True,
     )
