@@ -178,8 +178,8 @@ def boot_core(recipe: CoreRecipe) -> tuple[EngineCore, EngineStarted]:
             engine,
             max_batch=recipe.max_batch,
             prefill_chunk=core.prefill_chunk,
-            before=None
+            choose=None
             if recipe.kernels is None
-            else recipe.kernels.before_run(quantized=engine.loaded.is_quantized),
+            else recipe.kernels.chooser(quantized=engine.loaded.is_quantized),
         )
     return core, EngineStarted.of(core, report)

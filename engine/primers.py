@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from functools import partial
@@ -148,21 +148,52 @@ class PrimersDone:
         """Block until the primers of ``groups`` (None: all; a group not started is not
         waited for) have ended, or the deadline; returns the seconds waited."""
         start = time.time()
-        pending = [g for g in (self.groups if groups is None else groups) if g in self.groups]
-        while pending and time.time() < self.deadline:
-            pending = [g for g in pending if not (self.directory / f"{g}.done").exists()]
-            if pending:
-                time.sleep(POLL_S)
+        wanted = list(dict.fromkeys(self.groups if groups is None else groups))
+        while not all(self.ended(group) for group in wanted):
+            time.sleep(POLL_S)
         waited = time.time() - start
-        if pending and waited > 0:
-            logger.warning("kernel primers %s still running; not waited for", pending)
-        elif waited > POLL_S:
-            logger.info("waited %.1f s for kernel primers %s", waited, ", ".join(groups or ()))
+        self._waited(waited, wanted)
         return waited
 
-    def before_run(self, quantized: bool) -> Callable[[Any], None]:
-        """What the engine's warm-up calls before each run: wait for that run's primer."""
-        return lambda run: self.wait([group_of(run, quantized=quantized)])
+    def _waited(self, seconds: float, groups: list[str]) -> None:
+        late = [g for g in groups if g in self.groups and not self._marker(g).exists()]
+        if late and self._past():
+            logger.warning("kernel primers %s still running; not waited for", late)
+        elif seconds > POLL_S:
+            logger.info("waited %.1f s for kernel primers %s", seconds, ", ".join(groups))
+
+    def ended(self, group: str) -> bool:
+        """Whether nothing need wait for ``group``'s primer: it has ended, it never started, or
+        the deadline is past."""
+        return group not in self.groups or self._marker(group).exists() or self._past()
+
+    def _marker(self, group: str) -> Path:
+        return self.directory / f"{group}.done"
+
+    def _past(self) -> bool:
+        return time.time() >= self.deadline
+
+    def chooser(self, quantized: bool) -> Callable[[Sequence[Any]], int]:
+        """What the engine's warm-up calls for its next run (``warmup.WarmupRun``): the index
+        of the first run left whose kernels are on disk, waiting until there is one. So the
+        engine runs each group's shapes as soon as its primer has ended. The sampled lane's
+        run also needs the model's own kernels, which every model group compiles: it waits for
+        the sampler's primer and the chat primer."""
+
+        def needs(run: Any) -> list[str]:
+            group = group_of(run, quantized=quantized)
+            return [group, "chat"] if group == SAMPLER else [group]
+
+        def choose(runs: Sequence[Any]) -> int:
+            start = time.time()
+            while True:
+                for index, run in enumerate(runs):
+                    if all(self.ended(group) for group in needs(run)):
+                        self._waited(time.time() - start, needs(run))
+                        return index
+                time.sleep(POLL_S)
+
+        return choose
 
 
 class KernelPrimers:

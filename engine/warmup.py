@@ -20,7 +20,8 @@ kernels compiled, design/017). Compiled kernels are kept for the process and on 
 restart's warm-up took 9 s instead of 55 s (bfloat16) and 18 s instead of 97 s (4-bit) for a
 Llama-3.2-1B shape (design/008-gpu.md). Where the cache is cold, kernel primers compile them in
 other processes meanwhile (``engine/primers.py``): ``only`` runs a primer's share of the plan,
-``before`` waits for the primer of each run.
+and ``choose`` picks the engine's next run, one whose primer has ended (in the order the primers
+end, not the plan's: waiting for the slowest first left the others' runs for after it).
 
 On CPU nothing is compiled per shape (a fresh process's first 2-token generation of the default
 model took 0.61 s, the next ones 0.50 s and 0.80 s), so there it returns at once.
@@ -32,8 +33,9 @@ import io
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, NamedTuple
 
 from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
@@ -137,9 +139,11 @@ def plan(
     if budget is not None and budget.alone_from is not None and max_batch > 1:
         # Rows of every padded last-chunk length (PAD_GRANULE, 2 x PAD_GRANULE, ... a whole
         # chunk) past ``prompt_tokens - 1`` tokens: alone, a prompt's attention reads them all.
+        # Only a prompt's first chunk: a longer prompt's later chunks (keys past a whole chunk)
+        # meet shapes of their own anyway, one per chunk, and warming the second chunk's took
+        # 2.5 s of an 8B shape's startup (design/027).
         lengths = max(1, budget.max_chunk // PAD_GRANULE)
-        for start in (1, budget.max_chunk + 1):
-            runs.append(WarmupRun("alone", min(lengths, max_batch), start, 1))
+        runs.append(WarmupRun("alone", min(lengths, max_batch), 1, 1))
     return runs
 
 
@@ -150,7 +154,7 @@ def warm_up(
     prefill_chunk: int,
     force: bool = False,
     only: Callable[[WarmupRun], bool] | None = None,
-    before: Callable[[WarmupRun], object] | None = None,
+    choose: Callable[[Sequence[WarmupRun]], int] | None = None,
 ) -> WarmupReport:
     """Run the runtime's shapes once so MLX compiles their kernels now; on the calling thread.
 
@@ -169,28 +173,26 @@ def warm_up(
     shapes: list[WarmupShape] = []
     start = time.perf_counter()
 
-    def wanted(run: WarmupRun) -> bool:
-        if only is not None and not only(run):
-            return False
-        if before is not None:
-            before(run)
-        return True
-
     try:
-        if wanted(WarmupRun("serial", 1, SHORT_PROMPT, SERIAL_NEW_TOKENS)):
-            shapes.append(_serial(engine, SHORT_PROMPT, SERIAL_NEW_TOKENS))
-        image = WarmupRun("image", 1, IMAGE_SIDE, SERIAL_NEW_TOKENS)
-        if getattr(engine, "vision", None) is not None and wanted(image):
-            shapes.append(_image(engine, image.prompt_tokens, image.new_tokens))
         budget = getattr(engine, "token_budget", None)
         batch = BatchEngine(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget)
         try:
+            runs: list[tuple[WarmupRun, Callable[[], WarmupShape]]] = []
+            serial = WarmupRun("serial", 1, SHORT_PROMPT, SERIAL_NEW_TOKENS)
+            runs.append((serial, partial(_serial, engine, SHORT_PROMPT, SERIAL_NEW_TOKENS)))
+            image = WarmupRun("image", 1, IMAGE_SIDE, SERIAL_NEW_TOKENS)
+            if getattr(engine, "vision", None) is not None:
+                runs.append((image, partial(_image, engine, image.prompt_tokens, image.new_tokens)))
             for run in plan(max_batch=max_batch, prefill_chunk=prefill_chunk, budget=budget):
-                if wanted(run):
-                    shapes.append(_batch(batch, engine, *run, prefill_chunk))
+                runs.append((run, partial(_batch, batch, engine, *run, prefill_chunk)))
             cached = WarmupRun("cached", min(PREFILL_GROUP, max_batch), CHAT_PROMPT, 2)
-            if prompt_cache is not None and wanted(cached):
-                shapes.append(_cached(batch, engine, prompt_cache, cached.rows, prefill_chunk))
+            if prompt_cache is not None:
+                go = partial(_cached, batch, engine, prompt_cache, cached.rows, prefill_chunk)
+                runs.append((cached, go))
+            runs = [(run, go) for run, go in runs if only is None or only(run)]
+            while runs:
+                _, go = runs.pop(0 if choose is None else choose([run for run, _ in runs]))
+                shapes.append(go())
         finally:
             batch.close()
     finally:
