@@ -5,13 +5,15 @@ HTTP edge."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 from ..engine.budget import MemoryBudget, MemoryUsage
 from ..engine.errors import check_at_least
 from ..engine.outputs import PromptCacheStatistics
 from .messages import CancelReason, FailureCode
 from .port import ALWAYS_UP, EngineLiveness
+
+T = TypeVar("T")
 
 DEFAULT_RETRY_AFTER_S = 1.0
 # ``max_batch`` where none is given, by where the model runs. On the CPU a step is the
@@ -21,6 +23,11 @@ DEFAULT_RETRY_AFTER_S = 1.0
 # 4,116-5,326 with 256 (design/030, section 5).
 CPU_MAX_BATCH = 32
 GPU_MAX_BATCH = 256
+CPU_WINDOW_S = 0.005
+# A GPU's batch waits out an HTTP burst's arrivals, up to a quarter of a second, while each
+# next request comes within 3 ms (design/030, section 7).
+GPU_ADMISSION_WINDOW_S = 0.25
+GPU_ARRIVAL_GAP_S = 0.003
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +44,9 @@ class RuntimeConfig:
     ``admission_window_s``: how long an empty batch may wait, before its first step, while a
     burst arrives (requests on their way to it, being submitted, and, where ``arrival_gap_s``
     is set, the next ones as long as each comes within that of the last), so that a burst is
-    prefilled together; a lone request waits ``arrival_gap_s`` at most. ``steps_per_call``:
+    prefilled together; a lone request waits ``arrival_gap_s`` at most (None, each: the
+    device's, :meth:`on_device`: on a GPU 0.25 s and 3 ms, where a burst's waves each cost a
+    join, design/030 section 7; on the CPU 5 ms and none). ``steps_per_call``:
     batch steps per engine call (tokens per row per event); None picks it per call, 1 unless
     the event loop's measured CPU time per call is a noticeable share of the call's steps (see
     ``BatchGroup``).
@@ -62,9 +71,8 @@ class RuntimeConfig:
     shutdown_grace_s: float = 10.0
     retry_after_s: float = DEFAULT_RETRY_AFTER_S
     unhealthy_after_faults: int = 3
-    admission_window_s: float = 0.005
-    # Off: waiting out an HTTP burst's arrivals was not a measured win (design/030, section 6).
-    arrival_gap_s: float = 0.0
+    admission_window_s: float | None = None
+    arrival_gap_s: float | None = None
     steps_per_call: int | None = None
     max_engine_restarts: int = 5
     event_buffer_tokens: int = 256
@@ -85,16 +93,30 @@ class RuntimeConfig:
         return self.shutdown_grace_s + self.shutdown_settle_s
 
     def on_device(self, *, gpu: bool) -> RuntimeConfig:
-        """This configuration with ``max_batch`` the device's default if none was given:
-        ``GPU_MAX_BATCH`` rows on a GPU, ``CPU_MAX_BATCH`` on the CPU."""
-        if self.max_batch is not None:
-            return self
-        return replace(self, max_batch=GPU_MAX_BATCH if gpu else CPU_MAX_BATCH)
+        """This configuration with the device's default for each of ``max_batch``,
+        ``admission_window_s`` and ``arrival_gap_s`` not given."""
+        window, gap = (GPU_ADMISSION_WINDOW_S, GPU_ARRIVAL_GAP_S) if gpu else (CPU_WINDOW_S, 0.0)
+        return replace(
+            self,
+            max_batch=_given(self.max_batch, GPU_MAX_BATCH if gpu else CPU_MAX_BATCH),
+            admission_window_s=_given(self.admission_window_s, window),
+            arrival_gap_s=_given(self.arrival_gap_s, gap),
+        )
 
     @property
     def batch_rows(self) -> int:
         """``max_batch``, the CPU's default where the device was not decided."""
-        return self.max_batch if self.max_batch is not None else CPU_MAX_BATCH
+        return _given(self.max_batch, CPU_MAX_BATCH)
+
+    @property
+    def admission_window(self) -> float:
+        """``admission_window_s``, the CPU's default where the device was not decided."""
+        return _given(self.admission_window_s, CPU_WINDOW_S)
+
+    @property
+    def arrival_gap(self) -> float:
+        """``arrival_gap_s``, the CPU's default (none) where the device was not decided."""
+        return _given(self.arrival_gap_s, 0.0)
 
     @property
     def live_limit(self) -> int:
@@ -158,3 +180,7 @@ class RuntimeStatistics:
     batch_mode: Literal["batch", "serial", "off"] = "batch"
     # Requests with images (design/031-images.md): started, and their images and pixels.
     media: MediaStatistics = field(default_factory=MediaStatistics)
+
+
+def _given(value: T | None, default: T) -> T:
+    return default if value is None else value

@@ -66,8 +66,8 @@ class Runtime:
             max_batch=config.batch_rows,
             step_timeout_s=config.step_timeout_s,
             inbox_size=inbox_size,
-            admission_window_s=config.admission_window_s,
-            arrival_gap_s=config.arrival_gap_s,
+            admission_window_s=config.admission_window,
+            arrival_gap_s=config.arrival_gap,
             steps_per_call=config.steps_per_call,
         )
         self.serial = SerialExecutor(

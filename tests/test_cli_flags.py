@@ -346,6 +346,18 @@ def test_max_batch_not_given_is_the_devices_and_a_given_one_is_kept():
     assert given.on_device(gpu=True).max_batch == given.on_device(gpu=False).max_batch == 8
 
 
+def test_a_gpu_batch_waits_out_a_bursts_arrivals_and_the_cpus_does_not():
+    """On a GPU an empty batch waits up to 0.25 s while a burst's requests keep coming within
+    3 ms of each other (design/030, section 7); on the CPU 5 ms at most, no gap."""
+    default = RuntimeConfig()
+    gpu, cpu = default.on_device(gpu=True), default.on_device(gpu=False)
+    assert (gpu.admission_window_s, gpu.arrival_gap_s) == (0.25, 0.003)
+    assert (cpu.admission_window_s, cpu.arrival_gap_s) == (0.005, 0.0)
+    assert (default.admission_window, default.arrival_gap) == (0.005, 0.0)  # device not known
+    given = RuntimeConfig(admission_window_s=0.1, arrival_gap_s=0.0).on_device(gpu=True)
+    assert (given.admission_window_s, given.arrival_gap_s) == (0.1, 0.0)
+
+
 def test_serve_flags_land_in_the_engine_and_runtime_options():
     argv = "serve --max-batch 4 --engine thread --device cpu --max-iteration-tokens 64 --port 0"
     options = serve_options(build_parser().parse_args(argv.split()))
