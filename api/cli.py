@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ..engine import torchless
 
     options = serve_options(args)
-    if torchless.wanted_for(options.engine.model):  # before the engine's imports, this process's
+    if torchless.wanted_for(options.engine.model):  # before this process imports the engine
         torchless.keep_out()
     from .server import serve
 

@@ -141,7 +141,7 @@ def plan(
         # chunk) past ``prompt_tokens - 1`` tokens: alone, a prompt's attention reads them all.
         # Only a prompt's first chunk: a longer prompt's later chunks (keys past a whole chunk)
         # meet shapes of their own anyway, one per chunk, and warming the second chunk's took
-        # 2.5 s of an 8B shape's startup (design/027).
+        # 2.5-3.1 s of an 8B shape's startup (design/027).
         lengths = max(1, budget.max_chunk // PAD_GRANULE)
         runs.append(WarmupRun("alone", min(lengths, max_batch), 1, 1))
     return runs
