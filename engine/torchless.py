@@ -40,12 +40,23 @@ def wanted(model_path: Path | None) -> bool:
 
 def wanted_for(spec: str | None) -> bool:
     """:func:`wanted` for the model ``spec`` names, where that is known before anything is
-    resolved: the embedded default (None) or a model directory here; a Hugging Face id or a
-    GGUF file keeps torch (it is known only once resolved)."""
+    resolved or downloaded: the embedded default (None), a model directory here, or a Hugging
+    Face id whose config is in the hub's local cache. A GGUF file, or an id not cached yet,
+    keeps torch."""
+    from .model.hub import parse_hub_id
+
     if spec is None:
         return wanted(None)
     path = Path(spec).expanduser()
-    return (path / "config.json").is_file() and wanted(path)
+    if (path / "config.json").is_file():
+        return wanted(path)
+    hub_id = parse_hub_id(spec)
+    if hub_id is None:
+        return False
+    from huggingface_hub import try_to_load_from_cache  # the cache only: nothing goes online
+
+    config = try_to_load_from_cache(hub_id.repo, "config.json", revision=hub_id.revision)
+    return isinstance(config, str) and wanted(Path(config).parent)
 
 
 def keep_out() -> bool:

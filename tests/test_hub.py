@@ -19,6 +19,7 @@ import pytest
 
 from mlx_trio.actors.messages import Completed, GenerationRequest
 from mlx_trio.api.inprocess import open_runtime
+from mlx_trio.engine import torchless
 from mlx_trio.engine.errors import ModelNotFoundError
 from mlx_trio.engine.model.hub import HubId, parse_hub_id
 from mlx_trio.engine.model.model_store import resolve_model
@@ -97,6 +98,15 @@ async def test_the_in_process_api_serves_a_model_by_its_hub_id(offline):
             GenerationRequest("hello", SamplingParams(max_tokens=8, temperature=0))
         )
     assert isinstance(result.outcome, Completed)
+
+
+def test_a_cached_ids_server_keeps_torch_out_before_anything_is_resolved(offline, monkeypatch):
+    """``serve`` decides before its imports: a cached text model's id keeps torch out, an id
+    not cached yet keeps it (``engine/torchless.py``)."""
+    monkeypatch.delenv(torchless.ENV, raising=False)
+    assert torchless.wanted_for(REPO)
+    assert torchless.wanted_for(f"{REPO}@{COMMIT}")
+    assert not torchless.wanted_for("tiny-org/not-cached")
 
 
 def test_an_id_not_cached_while_offline_is_model_not_found_naming_it(offline):
