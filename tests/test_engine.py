@@ -549,7 +549,7 @@ def test_a_row_with_penalties_goes_solo_and_its_penalties_see_its_whole_history(
         made = make_row_processors(params, tokenizer)
         return [*made, record] if params is penalized else made
 
-    monkeypatch.setattr("mlx_trio.engine.batch.batch_rows.make_row_processors", processors)
+    monkeypatch.setattr("mlx_trio.engine.batch.batch_row.make_row_processors", processors)
 
     def run(solo: bool) -> tuple[list[int], bool]:
         seen.clear()

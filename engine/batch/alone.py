@@ -34,7 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..padded_prefill import can_pad, feed_padded
 
 if TYPE_CHECKING:
-    from .batch_rows import BatchRow
+    from .batch_row import BatchRow
 
 Commit = Callable[[list[int], list[Any], str | None], None]
 # Builds the forwards inside with row i on adapter slot slots[i] (engine/model/adapters.py).

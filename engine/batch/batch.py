@@ -9,9 +9,10 @@ sampler and logits processors, and the same :class:`RowDecoder` as the single-re
 Row ids are this class's own and stay the same across park and resume (mlx-lm gives a resumed
 row a new uid).
 
-The rows, and mlx-lm's batch of them, are in ``engine/batch/batch_rows.py``. A lone generating row
-leaves the ``BatchGenerator`` and is stepped by mlx-lm's ``generate_step`` instead, which runs one
-row faster: the batch engine's :class:`SoloRow` (``engine/batch/solo.py``).
+The rows are ``engine/batch/batch_row.py``'s, and mlx-lm's batch of them is in
+``engine/batch/batch_rows.py``. A lone generating row leaves the ``BatchGenerator`` and is
+stepped by mlx-lm's ``generate_step`` instead, which runs one row faster: the batch engine's
+:class:`SoloRow` (``engine/batch/solo.py``).
 
 A call's steps need not all run inside it: between calls, while the caller hands out the last
 call's tokens, the engine thread runs up to ``steps - 1`` of the next call's steps ahead of it
@@ -35,7 +36,8 @@ from ..params import PreparedRequest, SamplingParams
 from ..threads import Shape, shape
 from ..vocabulary.grammar import grammar_failure, request_matcher, rewind
 from ..vocabulary.sampling import Sampler, make_row_sampler, with_injected_fault
-from .batch_rows import BatchRow, GeneratorRows, PromptStart, commit, guard_sampler
+from .batch_row import BatchRow, PromptStart, guard_sampler
+from .batch_rows import GeneratorRows, commit
 from .schedule import TokenBudget
 from .solo import SoloRow
 

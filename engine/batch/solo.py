@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ..generate import Engine
 from ..speculative.steps import open_steps
-from .batch_rows import BatchRow, PromptStart
+from .batch_row import BatchRow, PromptStart
 from .caches import tokens_held
 
 
