@@ -221,9 +221,9 @@ class TextChunks:
 
     def __call__(self, index: int, text: str) -> bytes:
         if (parts := self._parts.get(index)) is None:
-            field = '"delta":{"content":' if self._kind == "chat" else '"text":'
+            opening = '"delta":{"content":' if self._kind == "chat" else '"text":'
             closing = "}" if self._kind == "chat" else ""
-            prefix = f'data: {self._head},"choices":[{{"index":{index},{field}'
+            prefix = f'data: {self._head},"choices":[{{"index":{index},{opening}'
             suffix = f'{closing},"finish_reason":null,"logprobs":null}}]}}\n\n'
             parts = self._parts[index] = (prefix.encode(), suffix.encode())
         return parts[0] + json.dumps(text).encode() + parts[1]
