@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import trio
 
+from ...engine import spawn
 from ...engine.calls import Call, EngineCall, EngineStarted, EngineState, Reply
 from ...engine.child import serve_pickled_engine
 from ...engine.errors import EngineProcessError
@@ -281,7 +282,7 @@ async def open_process_transport(
         name="mlx-trio-engine",
         daemon=True,
     )
-    await trio.to_thread.run_sync(process.start)
+    await trio.to_thread.run_sync(spawn.start, process)
     theirs.close()
     sock = trio.socket.fromfd(ours.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
     ours.close()
