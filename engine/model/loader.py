@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +94,7 @@ def load_model(
     """
     on_cpu = _select_device(device)
     resolved = resolve_model(spec, progress=progress)
+    start = time.perf_counter()  # a download's time is not the load's
     vision: VisionParts | None = None
     try:
         if takes_images(resolved.path):
@@ -138,12 +140,13 @@ def load_model(
         vision=vision,
     )
     logger.info(
-        "loaded %s on %s (%s%s, context %d)",
+        "loaded %s on %s (%s%s, context %d) in %.1f s",
         loaded.model_id,
         loaded.device,
         loaded.dtype,
         ", quantized" if loaded.is_quantized else "",
         loaded.context_length,
+        time.perf_counter() - start,
     )
     logger.info("backend: %s", backend_description(loaded.device))
     return loaded
