@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # these import MLX; the command line reads the defaults here 
     from .calls import EngineStarted
     from .core import EngineCore
     from .generate import Engine
-    from .primers import PrimersDone
+    from .primers_done import PrimersDone
 
 Device = Literal["auto", "cpu", "gpu"]
 KV_BITS = (4, 8)  # what --kv-bits takes (mlx.core.quantize's, as mlx-lm's QuantizedKVCache)

@@ -8,14 +8,23 @@ model needs: a warm-up after such a primer's took 7.0 s, as after a full warm-up
 
 So while the engine imports and loads its weights, :class:`KernelPrimers` runs a few processes,
 each compiling part of the warm-up's kernels into a scratch directory of its own
-(``MLX_PTX_CACHE_DIR``): ``sampler`` draws from the row sampler without a model; the model's
-groups (:data:`MODEL_GROUPS`) run the warm-up's runs of their group over the first layer. Each
-publishes what it compiled into MLX's own kernel cache, ``.txt`` before ``.ptx`` and each by an
-atomic rename (MLX reads a kernel's ``.ptx``, then its ``.txt``, and writes neither atomically).
-The engine's warm-up waits for them (:class:`PrimersDone`), then runs every shape itself, reading
-the kernels from disk; a primer that fails costs nothing but its time: the engine compiles what is
-missing. A model whose layers differ (hybrid, windowed, MoE with dense first layers) gets the
-sampler's primer only.
+(``MLX_PTX_CACHE_DIR``), in three stages, so that no kernel compiles twice and none waits behind
+another it does not need:
+- the kernel probes (``kernel_probes.py``): one gather a process, with MLX imported alone;
+- ``forward``: once the probes have ended, the model's first forward over one token (the layer's
+  fused kernels);
+- once that has ended, the model's groups (:data:`MODEL_GROUPS`, and a quantized model's 4-bit
+  matmul tiles) run the warm-up's runs of their group over the first layer;
+- beside them all, ``sampler`` draws from the row sampler without a model.
+
+A primer that waits loads its model meanwhile, then reads the kernels the others published
+(``kernel_probes.link_kernels``). Each publishes what it compiled into MLX's own kernel cache,
+``.txt`` before ``.ptx`` and each by an atomic rename (MLX reads a kernel's ``.ptx``, then its
+``.txt``, and writes neither atomically). The engine's warm-up waits for them
+(``primers_done.PrimersDone``), then runs every shape itself, reading the kernels from disk; a
+primer that fails costs nothing but its time: the engine compiles what is missing. A model whose
+layers differ (hybrid, windowed, MoE with dense first layers) gets the probes and the sampler's
+primer only.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from functools import partial
@@ -41,21 +50,26 @@ from . import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import torchless
+from . import primers_done, spawn, torchless
 from .errors import UnsupportedModelError
+from .kernel_probes import (
+    PROBES,
+    compile_probe,
+    link_kernels,
+    probes_for,
+    publish_kernels,
+    weights_dtype,
+)
 from .options import EngineOptions
+from .primers_done import MODEL_GROUPS, SAMPLER, TILE_GROUPS, PrimersDone, group_of
 
 logger = logging.getLogger(__name__)
 
-SAMPLER = "sampler"
-# The model's groups: every warm-up run but the sampled lane's belongs to one (``group_of``),
-# each a chain of kernels that compile one after another (a primer per chain).
-MODEL_GROUPS = ("chat", "long", "burst")
-# A quantized model's 1-row prefills, one group each: each selects a tile of MLX's 4-bit matmul,
-# which compiles for about 38 s (design/008).
-TILE_GROUPS = ("tile-17", "tile-33")
+# The model's first forward over one token: its embedding and layer kernels (the fused MLP's),
+# which every later run needs, compiled once for all of them.
+FORWARD = "forward"
 WAIT_TIMEOUT_S = 300.0
-POLL_S = 0.05
+SAMPLER_VOCAB = 1024  # the sampler's primer's logits: any width compiles the same kernels
 MIN_CPUS = 4  # primers compete with the engine's own start for the CPU
 
 
@@ -70,28 +84,6 @@ def ptx_cache_dir() -> Path:
     if given := os.environ.get("MLX_PTX_CACHE_DIR"):
         return Path(given)
     return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
-
-
-def group_of(run: Any, *, quantized: bool) -> str:
-    """The primer group of a warm-up run (``warmup.WarmupRun``): the sampled lane's kernels are
-    the row sampler's (``sampler``, no model needed); then what a chat burst uses (serial,
-    batches, a group of chat prompts, prompt-cache hits), long prompts prefilled together, or
-    a burst of long prompts and those prefilled alone."""
-    from .warmup import CHAT_PROMPT
-
-    if run.lane == "sampled":
-        return SAMPLER
-    if run.lane == "prefill" and run.rows == 1 and quantized:
-        tile = f"tile-{run.prompt_tokens}"
-        if tile in TILE_GROUPS:
-            return tile
-    if run.lane in ("serial", "image", "batch", "cached"):
-        return "chat"
-    if run.lane == "prefill" and run.prompt_tokens == CHAT_PROMPT:
-        return "chat"
-    if run.lane in ("burst", "alone"):
-        return "burst"
-    return "long"
 
 
 def keep_first_layer(model: Any, *, alike: bool = True) -> None:
@@ -115,94 +107,36 @@ def _signature(layer: Any) -> tuple[Any, ...]:
     return modules, params
 
 
-def publish_kernels(scratch: Path, cache: Path) -> int:
-    """Move what MLX compiled into ``scratch`` to ``cache``, each kernel's ``.txt`` before its
-    ``.ptx`` and each file by an atomic rename, keeping any kernel ``cache`` already has;
-    returns how many it added."""
-    added = 0
-    for ptx in sorted(scratch.rglob("*.ptx")):
-        target = cache / ptx.relative_to(scratch)
-        if target.exists():
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        for source, dest in ((ptx.with_suffix(".txt"), target.with_suffix(".txt")), (ptx, target)):
-            if not source.exists():
-                continue
-            staging = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
-            shutil.copyfile(source, staging)
-            os.replace(staging, dest)
-        added += 1
-    return added
-
-
 @dataclass(frozen=True, slots=True)
-class PrimersDone:
-    """What the engine's warm-up waits on: a marker per primer in ``directory``, written once
-    that primer has ended (published, failed or died). Picklable, for the engine's process."""
+class PrimerJob:
+    """What one primer process does (picklable): compile ``group``'s kernels into ``scratch``
+    and publish them to ``cache``; first, once the primers of ``waits`` have ended (``done``),
+    read what they published instead of compiling it again."""
 
-    directory: Path
-    groups: tuple[str, ...]
-    deadline: float  # time.time() past which nothing waits for them: one that hangs is left
-
-    def wait(self, groups: Iterable[str] | None = None) -> float:
-        """Block until the primers of ``groups`` (None: all; a group not started is not
-        waited for) have ended, or the deadline; returns the seconds waited."""
-        start = time.time()
-        wanted = list(dict.fromkeys(self.groups if groups is None else groups))
-        while not all(self.ended(group) for group in wanted):
-            time.sleep(POLL_S)
-        waited = time.time() - start
-        self._waited(waited, wanted)
-        return waited
-
-    def _waited(self, seconds: float, groups: list[str]) -> None:
-        late = [g for g in groups if g in self.groups and not self._marker(g).exists()]
-        if late and self._past():
-            logger.warning("kernel primers %s still running; not waited for", late)
-        elif seconds > POLL_S:
-            logger.info("waited %.1f s for kernel primers %s", seconds, ", ".join(groups))
-
-    def ended(self, group: str) -> bool:
-        """Whether nothing need wait for ``group``'s primer: it has ended, it never started, or
-        the deadline is past."""
-        return group not in self.groups or self._marker(group).exists() or self._past()
-
-    def _marker(self, group: str) -> Path:
-        return self.directory / f"{group}.done"
-
-    def _past(self) -> bool:
-        return time.time() >= self.deadline
-
-    def chooser(self, quantized: bool) -> Callable[[Sequence[Any]], int]:
-        """What the engine's warm-up calls for its next run (``warmup.WarmupRun``): the index
-        of the first run left whose kernels are on disk, waiting until there is one. So the
-        engine runs each group's shapes as soon as its primer has ended. The sampled lane's
-        run also needs the model's own kernels, which every model group compiles: it waits for
-        the sampler's primer and the chat primer."""
-
-        def needs(run: Any) -> list[str]:
-            group = group_of(run, quantized=quantized)
-            return [group, "chat"] if group == SAMPLER else [group]
-
-        def choose(runs: Sequence[Any]) -> int:
-            start = time.time()
-            while True:
-                for index, run in enumerate(runs):
-                    if all(self.ended(group) for group in needs(run)):
-                        self._waited(time.time() - start, needs(run))
-                        return index
-                time.sleep(POLL_S)
-
-        return choose
+    group: str
+    options: EngineOptions
+    max_batch: int
+    scratch: Path
+    cache: Path
+    dtype: str | None = None  # the model's, for the kernel probes (``kernel_probes.py``)
+    waits: tuple[str, ...] = ()
+    done: PrimersDone | None = None
+    force: bool = False
+    keep_torch_out: bool = False  # import the engine without torch (``engine/torchless.py``)
 
 
 class KernelPrimers:
     """Primer processes for one engine; :meth:`started` runs them for the length of a block."""
 
-    def __init__(self, directory: Path, processes: dict[str, multiprocessing.process.BaseProcess]):
+    def __init__(
+        self,
+        directory: Path,
+        processes: dict[str, multiprocessing.process.BaseProcess],
+        done: PrimersDone,
+    ):
         self.directory = directory
         self.processes = processes
-        self.done = PrimersDone(directory, tuple(processes), time.time() + WAIT_TIMEOUT_S)
+        self.done = done
         self._watchers = [
             threading.Thread(target=self._watch, args=(group,), daemon=True) for group in processes
         ]
@@ -233,9 +167,12 @@ class KernelPrimers:
         os.environ.setdefault("MLX_PTX_CACHE_DIR", str(ptx_cache_dir()))
         cache = Path(os.environ["MLX_PTX_CACHE_DIR"])
         directory = Path(tempfile.mkdtemp(prefix="mlx-trio-primers-"))
-        groups = groups_for(quantized=_is_quantized(model_path) and not _dequantized(options))
+        dtype = weights_dtype(model_path)
+        quantized = _is_quantized(model_path) and not _dequantized(options)
+        groups = groups_for(quantized=quantized, dtype=dtype)
+        first = tuple(g for g in groups if g in PROBES or g == FORWARD)
+        done = PrimersDone(directory, tuple(groups), time.time() + WAIT_TIMEOUT_S, first)
         context = multiprocessing.get_context("spawn")
-        keep_torch_out = torchless.wanted(model_path)
         # The first layer alone: no adapters, no ranks, no draft model (its kernels are the
         # model's own, and each primer would load it whole).
         recipe = replace(
@@ -246,18 +183,33 @@ class KernelPrimers:
             draft_model=None,
             speculation=None,
         )
+        job = PrimerJob(
+            "",
+            recipe,
+            max_batch,
+            directory,
+            cache,
+            dtype=dtype,
+            done=done,
+            force=force,
+            keep_torch_out=torchless.wanted(model_path),
+        )
         processes = {
             group: context.Process(
                 target=prime,
-                args=(recipe, group, max_batch, directory / group, cache, force, keep_torch_out),
+                args=(
+                    replace(
+                        job, group=group, scratch=directory / group, waits=waits_of(group, groups)
+                    ),
+                ),
                 name=f"mlx-trio-primer-{group}",
                 daemon=True,
             )
             for group in groups
         }
         for process in processes.values():
-            process.start()
-        primers = cls(directory, processes)
+            spawn.start(process)
+        primers = cls(directory, processes, done)
         logger.info("kernel primers started: %s", ", ".join(groups))
         try:
             yield primers
@@ -283,29 +235,33 @@ class KernelPrimers:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def prime(
-    options: EngineOptions,
-    group: str,
-    max_batch: int,
-    scratch: Path,
-    cache: Path,
-    force: bool = False,
-    keep_torch_out: bool = False,
-) -> None:
-    """A primer process's main: compile ``group``'s kernels into ``scratch``, then publish them
-    to ``cache``. Logs and returns on any failure: the engine compiles what is missing.
-    ``keep_torch_out``: import the engine without torch (``engine/torchless.py``)."""
-    if keep_torch_out:
+def waits_of(group: str, groups: Sequence[str]) -> tuple[str, ...]:
+    """The primers that ``group``'s primer waits for before it runs: a model's primer waits for
+    the probes' kernels, and past the first forward for its kernels too (each would compile
+    them itself meanwhile, one after another, as every model primer once did)."""
+    if group in PROBES or group == SAMPLER:
+        return ()
+    probes = tuple(g for g in groups if g in PROBES)
+    return probes if group == FORWARD else (*probes, *(g for g in groups if g == FORWARD))
+
+
+def prime(job: PrimerJob) -> None:
+    """A primer process's main: compile ``job``'s kernels into its scratch directory, then
+    publish them to MLX's cache. Logs and returns on any failure: the engine compiles what is
+    missing."""
+    if job.keep_torch_out:
         torchless.keep_out()
-    os.environ["MLX_PTX_CACHE_DIR"] = str(scratch)  # read by MLX at its first compile
+    os.environ["MLX_PTX_CACHE_DIR"] = str(job.scratch)  # read by MLX at its first compile
     logging.basicConfig(
         level=logging.WARNING,
-        format=f"%(asctime)s %(levelname)s (kernel primer {group}): %(message)s",
+        format=f"%(asctime)s %(levelname)s (kernel primer {job.group}): %(message)s",
     )
-    logger.setLevel(logging.INFO)  # its own line; the engine's loading lines are the engine's
+    # Its own lines and its waits; the engine's loading lines are the engine's.
+    for name in (__name__, primers_done.__name__):
+        logging.getLogger(name).setLevel(logging.INFO)
     start = time.perf_counter()
     try:
-        compiled = _compile(options, group, max_batch, force)
+        compiled = _compile(job)
     except (LayersDiffer, UnsupportedModelError) as exc:  # a vision model's is not cut
         logger.info("nothing to do: %s", exc)
         return
@@ -313,38 +269,79 @@ def prime(
         logger.exception("failed; the engine compiles these kernels itself")
         return
     finally:
-        added = publish_kernels(scratch, cache) if scratch.exists() else 0
-        shutil.rmtree(scratch, ignore_errors=True)
-    logger.info("%s in %.1f s, %d kernels published", compiled, time.perf_counter() - start, added)
+        # What it compiled itself (a group's primer publishes after each run, too).
+        own = [ptx for ptx in job.scratch.rglob("*.ptx") if not ptx.is_symlink()]
+        publish_kernels(job.scratch, job.cache)
+        shutil.rmtree(job.scratch, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    logger.info("%s in %.1f s, %d kernels compiled", compiled, seconds, len(own))
 
 
-def _compile(options: EngineOptions, group: str, max_batch: int, force: bool) -> str:
+def read_published(job: PrimerJob) -> None:
+    """Once the primers ``job`` waits for have ended, link what they published into its
+    scratch directory, where its MLX finds them on disk."""
+    if job.done is None or not job.waits:
+        return
+    job.done.wait(job.waits)
+    job.scratch.mkdir(parents=True, exist_ok=True)
+    logger.info("read %d kernels from the cache", link_kernels(job.cache, job.scratch))
+
+
+def _compile(job: PrimerJob) -> str:
+    options, group = job.options, job.group
+    # The probes and the sampler's primer import MLX alone: seconds sooner than mlx-lm's
+    # modules and a model, where ten processes start at once.
+    if group in PROBES:
+        compile_probe(group, job.dtype)
+        return f"probe {group}"
+    if group == SAMPLER:
+        return _compile_sampler(job)
     from .core import EngineCore
     from .devices import runs_on_gpu
     from .model import fused
-    from .params import SamplingParams
-    from .vocabulary.sampling import RowSampler
-    from .warmup import warm_up
+    from .warmup import WarmupRun, warm_up
 
-    if group == SAMPLER:
-        # No model runs: logits of the model's dtype, as every row's sampler sees them.
-        engine = options.loader()(split=partial(keep_first_layer, alike=False), fuse=False)
-        logits = mx.zeros((2, engine.vocab_size), dtype=getattr(mx, engine.loaded.dtype))
-        mx.eval(RowSampler(SamplingParams(temperature=1.0))(logits[0:1]))
-        return "the row sampler"
     fuse = fused.wanted("gpu" if runs_on_gpu(options.device) else "cpu", given=options.fuse)
     # The weights in the form the engine will run them in (its first layer alone always fits).
     engine = options.loader()(split=keep_first_layer, fuse=fuse, dequantize=_dequantized(options))
-    core = EngineCore(engine, max_batch=max_batch)
+    read_published(job)  # loaded meanwhile
+    if group == FORWARD:
+        # One token: a decode's shape, which selects no tile of a 4-bit matmul (those compile
+        # for about 38 s each, in primers of their own).
+        mx.eval(engine.model(mx.array([[1]], dtype=mx.int32), cache=engine.new_caches()))
+        return "the first forward"
+    core = EngineCore(engine, max_batch=job.max_batch)
     quantized = engine.loaded.is_quantized
+
+    def published(run: WarmupRun) -> None:  # the engine may run it now (``PrimersDone.ran``)
+        publish_kernels(job.scratch, job.cache)
+        if job.done is not None:
+            job.done.mark(group, run)
+
     report = warm_up(
         engine,
-        max_batch=max_batch,
+        max_batch=job.max_batch,
         prefill_chunk=core.prefill_chunk,
-        force=force,
+        force=job.force,
         only=lambda run: group_of(run, quantized=quantized) == group,
+        after=published,
     )
     return f"{len(report.shapes)} warm-up shapes"
+
+
+def _compile_sampler(job: PrimerJob) -> str:
+    """The row sampler's kernels, drawn from logits of the model's dtype (read from its headers;
+    else from the model loaded): its kernels' names hold their ops and dtypes, not shapes."""
+    from .params import SamplingParams
+    from .vocabulary.row_sampler import RowSampler
+
+    dtype = job.dtype
+    if dtype is None:
+        engine = job.options.loader()(split=partial(keep_first_layer, alike=False), fuse=False)
+        dtype = engine.loaded.dtype
+    logits = mx.zeros((1, SAMPLER_VOCAB), dtype=getattr(mx, dtype))
+    mx.eval(RowSampler(SamplingParams(temperature=1.0))(logits))
+    return "the row sampler"
 
 
 def local_model_dir(spec: str | None) -> Path | None:
@@ -356,9 +353,11 @@ def local_model_dir(spec: str | None) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def groups_for(*, quantized: bool) -> list[str]:
-    """The primer groups of a model, quantized or not."""
-    return [SAMPLER, *MODEL_GROUPS, *(TILE_GROUPS if quantized else ())]
+def groups_for(*, quantized: bool, dtype: str | None = None) -> list[str]:
+    """The primers of a model, quantized or not, whose weights are of ``dtype`` (None: not
+    known), in the order they start: the probes first, whose processes start the soonest."""
+    tiles = TILE_GROUPS if quantized else ()
+    return [*probes_for(dtype), SAMPLER, FORWARD, *MODEL_GROUPS, *tiles]
 
 
 def _dequantized(options: EngineOptions) -> bool:

@@ -20,8 +20,9 @@ kernels compiled, design/017). Compiled kernels are kept for the process and on 
 restart's warm-up took 9 s instead of 55 s (bfloat16) and 18 s instead of 97 s (4-bit) for a
 Llama-3.2-1B shape (design/008-gpu.md). Where the cache is cold, kernel primers compile them in
 other processes meanwhile (``engine/primers.py``): ``only`` runs a primer's share of the plan,
-and ``choose`` picks the engine's next run, one whose primer has ended (in the order the primers
-end, not the plan's: waiting for the slowest first left the others' runs for after it).
+``after`` tells of each run a primer has run (its kernels published), and ``choose`` picks the
+engine's next run, one a primer has run already (in the order the primers run them, not the
+plan's: waiting for the slowest first left the others' runs for after it).
 
 On CPU nothing is compiled per shape (a fresh process's first 2-token generation of the default
 model took 0.61 s, the next ones 0.50 s and 0.80 s), so there it returns at once.
@@ -155,6 +156,7 @@ def warm_up(
     force: bool = False,
     only: Callable[[WarmupRun], bool] | None = None,
     choose: Callable[[Sequence[WarmupRun]], int] | None = None,
+    after: Callable[[WarmupRun], None] | None = None,
 ) -> WarmupReport:
     """Run the runtime's shapes once so MLX compiles their kernels now; on the calling thread.
 
@@ -191,8 +193,10 @@ def warm_up(
                 runs.append((cached, go))
             runs = [(run, go) for run, go in runs if only is None or only(run)]
             while runs:
-                _, go = runs.pop(0 if choose is None else choose([run for run, _ in runs]))
+                run, go = runs.pop(0 if choose is None else choose([run for run, _ in runs]))
                 shapes.append(go())
+                if after is not None:
+                    after(run)
         finally:
             batch.close()
     finally:
