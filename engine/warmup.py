@@ -5,17 +5,18 @@ fused element-wise kernels, gathers, and for 4-bit weights one quantized matmul 
 38 s each on an H200). A runtime that reports healthy first would stall its first requests of each
 new shape, past any step watchdog. :func:`warm_up` runs the exact code paths the runtime uses, on
 the calling thread (the engine thread): one short single-request generation through
-:meth:`Engine.generate` (and for a vision model one with a small image), greedy
-:class:`BatchEngine` batches of 1, 2, 4, ..., ``max_batch`` rows, where every row is decoding at
-once at the top (rows enter eight at a time, so this also runs the multiples of eight on the way up
-and down), one sampled batch, single-row prompts that select each quantized-matmul tile, one full
-prefill chunk of ``prefill_chunk`` tokens for a prefill group, a group of chat-sized prompts, a
-burst of long prompts as the token budget prepares them, where long prompts are prefilled one row
-at a time (``engine/batch/alone.py``) every padded length of a last chunk, at the start of a prompt
-and after one whole chunk, and where the engine has a prompt cache a second burst of chat prompts
-starting from its hits; a group's prompts are of unequal lengths, as a real burst's are (padded,
-their attention takes a mask: a first burst after startup waited 5.9 s on an H200 while those
-kernels compiled, design/017). Compiled kernels are kept for the process and on disk
+:meth:`Engine.generate` (and for a vision model one with a small image); greedy
+:class:`BatchEngine` batches of 1, 2, 4, ... rows up to ``WARM_BATCH_ROWS`` (or ``max_batch``),
+where every row is decoding at once at the top (rows enter eight at a time, so this also runs a
+group joining rows that decode); one sampled batch; single-row prompts that select each
+quantized-matmul tile; one full prefill chunk of ``prefill_chunk`` tokens for a prefill group; a
+group of chat-sized prompts; a burst of long prompts as the token budget prepares them (two where
+they are prefilled one row at a time: more would only repeat one row's shapes); where long
+prompts are prefilled one row at a time (``engine/batch/alone.py``), every padded length of a
+last chunk at the start of a prompt; and where the engine has a prompt cache, a second burst of
+chat prompts starting from its hits. A group's prompts are of unequal lengths, as a real burst's
+are (padded, their attention takes a mask: a first burst after startup waited 5.9 s on an H200
+while those kernels compiled, design/017). Compiled kernels are kept for the process and on disk
 (``MLX_PTX_CACHE_DIR``, by default ``$TMPDIR/mlx/<version>/ptx``): with that cache warm, a
 restart's warm-up took 9 s instead of 55 s (bfloat16) and 18 s instead of 97 s (4-bit) for a
 Llama-3.2-1B shape (design/008-gpu.md). Where the cache is cold, kernel primers compile them in
@@ -64,6 +65,15 @@ CHAT_PROMPT = 64
 # the tokens per row in a step: min(64, max(16, next power of two)). About 38 s each on an H200.
 QMM_TILES = (16, 32, 64)
 SERIAL_NEW_TOKENS = 4
+# The largest batch run. A batch's kernels are named by their ops, not by how many rows they take,
+# and with the batch's masked prefill in plain ops (``batch/masked_attention.py``) no per-shape
+# graph is left to build: runs of 32-256 rows were only arithmetic (2.2 s of an 8B shape's
+# startup), and a first burst of 256 streams after a warm-up stopped at 16 rows took 6,932
+# tok/s against 7,169 after one that ran them (design/027, the fifth session).
+WARM_BATCH_ROWS = 16
+# A burst of long prompts where they are prefilled alone: two rows of unequal lengths, whose
+# decode reads a padded cache (design/027, the fifth session).
+ALONE_BURST = 2
 IMAGE_SIDE = 64  # a vision model's warm-up image, in pixels a side
 
 BatchLane = Literal["batch", "sampled", "prefill", "burst", "alone", "cached"]
@@ -125,7 +135,7 @@ def plan(
     # last ones start, so all of them decode together at the top.
     runs = [
         WarmupRun("batch", rows, SHORT_PROMPT, 2 * math.ceil(rows / PREFILL_GROUP) + 2)
-        for rows in batch_sizes(max_batch)
+        for rows in batch_sizes(min(max_batch, WARM_BATCH_ROWS))
     ]
     runs.append(WarmupRun("sampled", min(2, max_batch), SHORT_PROMPT, 3))
     # A prompt's last token is decoded, the rest prefilled: 16, 32 and a full chunk of prompt
@@ -136,6 +146,10 @@ def plan(
     runs.append(WarmupRun("prefill", min(PREFILL_GROUP, max_batch), CHAT_PROMPT, 2))
     if budget is not None:
         burst = max(1, min(max_batch, budget.max_preparation_tokens // budget.max_chunk))
+        if budget.prefills_alone(budget.max_chunk):
+            # Prefilled one row at a time, its rows meet one row's shapes: more only repeat
+            # the arithmetic (an 8B shape's 16 x 2,049 tokens took 1.25 s of its startup).
+            burst = min(burst, ALONE_BURST)
         runs.append(WarmupRun("burst", burst, budget.max_chunk + 1, 2))
     if budget is not None and budget.alone_from is not None and max_batch > 1:
         # Rows of every padded last-chunk length (PAD_GRANULE, 2 x PAD_GRANULE, ... a whole

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mlx_trio.engine import warmup
 from mlx_trio.engine.batch.prompt_cache import PromptCache
 from mlx_trio.engine.batch.schedule import TokenBudget
 from mlx_trio.engine.generate import Engine
@@ -17,6 +18,9 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_prompt_cache_empty():
     report = warm_up(engine, max_batch=8, prefill_chunk=32, force=True)
     rows = {shape.rows for shape in report.shapes if shape.lane == "batch"}
     assert {1, 2, 4, 8} <= rows
+    # A large batch's runs stop at WARM_BATCH_ROWS: more rows are the same kernels.
+    plan = warmup.plan(max_batch=256, prefill_chunk=32)
+    assert [run.rows for run in plan if run.lane == "batch"] == [1, 2, 4, 8, 16]
     assert any(shape.lane == "serial" for shape in report.shapes)
     assert report.seconds >= sum(shape.seconds for shape in report.shapes) * 0.99
     assert engine.prompt_cache is not None and engine.prompt_cache.statistics().entries == 0
@@ -37,6 +41,15 @@ def test_warm_up_runs_a_burst_of_long_prompts_as_the_token_budget_prepares_them(
     report = warm_up(engine, max_batch=8, prefill_chunk=32, force=True)
     burst = [s for s in report.shapes if s.lane == "burst" and s.prompt_tokens == 17]
     assert 4 in [s.rows for s in burst]  # 64 // 16 prompts of the largest chunk, and one more
+
+
+def test_where_long_prompts_go_alone_their_burst_is_two_rows():
+    """Prefilled one row at a time, a burst's rows repeat one row's shapes: two rows (of
+    unequal lengths, a padded decode) cover them."""
+    budget = TokenBudget(max_preparation_tokens=64, max_iteration_tokens=32, max_chunk=16)
+    engine = Engine(make_loaded(), token_budget=replace(budget, alone_from=8))
+    report = warm_up(engine, max_batch=8, prefill_chunk=32, force=True)
+    assert [s.rows for s in report.shapes if s.lane == "burst"] == [2]
 
 
 def test_warm_up_prefills_every_padded_last_chunk_where_long_prompts_go_alone():
