@@ -121,10 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from ..engine import torchless
+
     flags = flag_defaults(args)
-    return generate(
-        args, engine_options(args), lambda model: sampling_params(args, flags.over(model)), flags
-    )
+    options = engine_options(args)
+    if torchless.wanted_for(options.model):  # before this process imports the engine
+        torchless.keep_out()
+    return generate(args, options, lambda model: sampling_params(args, flags.over(model)), flags)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -101,6 +101,19 @@ def test_the_server_of_a_text_model_and_its_engine_never_import_torch(stand_in_t
     assert importers(imported_by) == []
 
 
+@pytest.mark.e2e
+def test_generate_of_a_text_model_never_imports_torch(stand_in_torch):
+    """``mlx-trio generate`` runs its engine in its own process, which is ours, not a user's."""
+    env, imported_by = stand_in_torch
+    argv = [sys.executable, "-m", "mlx_trio.api.cli", "generate", "--device", "cpu"]
+    run = subprocess.run(
+        [*argv, "--max-tokens", "2", "Hi"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip()  # the reply's text
+    assert importers(imported_by) == []
+
+
 def test_a_text_model_keeps_torch_out_and_a_vision_model_keeps_it(tmp_path, monkeypatch):
     monkeypatch.delenv(torchless.ENV, raising=False)
     text, vision = tmp_path / "text", tmp_path / "vision"
