@@ -95,14 +95,36 @@ def test_publishing_adds_each_kernel_whole_and_keeps_those_already_cached(tmp_pa
     assert not list(cache.rglob("*.partial")) and not list(cache.rglob("*.cu"))
 
 
-def test_a_model_is_cut_to_its_first_layer_only_where_its_layers_are_alike():
-    llama = families.make_model("llama")
-    keep_first_layer(llama)
-    assert len(llama.layers) == 1
-    hybrid = families.make_model("qwen3_5")  # linear-attention layers, then a full one
-    with pytest.raises(LayersDiffer):
-        keep_first_layer(hybrid)
-    assert len(hybrid.layers) == 4
+@pytest.mark.parametrize(
+    ("family", "kept"),
+    [
+        ("llama", 1),
+        ("falcon_h1", 1),  # attention and SSM in every layer: one kind
+        ("qwen3_5", 2),  # linear-attention layers, then a full one
+        ("qwen3_next", 2),
+        ("gpt_oss", 2),  # sliding and full attention by position (``layer_types``)
+        ("gemma3_text", 3),  # the same by ``sliding_window_pattern``
+    ],
+)
+def test_a_model_is_cut_to_the_fewest_first_layers_of_each_kind_and_still_runs(family, kept):
+    """A primer's cut model must run every warm-up shape, as the whole model would: a cut that
+    drops a kind, or leaves the config counting caches for layers it dropped, fails there."""
+    engine = families.make_engine(family)
+    assert keep_first_layer(engine.model) == kept
+    assert len(engine.model.layers) == kept
+    if hasattr(engine.model, "make_cache"):
+        assert len(engine.model.make_cache()) == kept
+    report = warmup.warm_up(engine, max_batch=4, prefill_chunk=32, force=True)
+    assert {"serial", "batch", "prefill"} <= {shape.lane for shape in report.shapes}
+
+
+def test_a_model_whose_kinds_need_more_layers_is_not_cut(monkeypatch):
+    config = {**families.config("gemma3_text"), "num_hidden_layers": 8}
+    monkeypatch.setitem(families.CONFIGS, "gemma3_text", {**config, "sliding_window_pattern": 6})
+    model = families.make_model("gemma3_text")
+    with pytest.raises(LayersDiffer):  # six layers before its first full one: past the cap
+        keep_first_layer(model)
+    assert len(model.layers) == 8
 
 
 @pytest.mark.parametrize(
