@@ -25,18 +25,17 @@ from mlx_trio.engine.kernel_probes import (
 )
 from mlx_trio.engine.model.loader import main_dtype
 from mlx_trio.engine.options import CoreRecipe, EngineOptions, boot_core
+from mlx_trio.engine.primer_cut import LayersDiffer, keep_first_layer
 from mlx_trio.engine.primers import (
     FORWARD,
     MODEL_GROUPS,
     SAMPLER,
     TILE_GROUPS,
     KernelPrimers,
-    LayersDiffer,
     PrimerJob,
     PrimersDone,
     group_of,
     groups_for,
-    keep_first_layer,
     read_published,
     waits_of,
 )
