@@ -24,7 +24,7 @@ class LayersDiffer(Exception):
     than a few first layers hold."""
 
 
-def keep_first_layer(model: Any, *, alike: bool = True) -> int:
+def keep_first_layers(model: Any, *, alike: bool = True) -> int:
     """Cut ``model``, in place and before its weights are read, to its first layer, or where its
     layers are of several kinds (``alike``), to the fewest first layers that hold one of each
     kind (up to ``MAX_KEPT_LAYERS``); returns how many it kept. A kind is a layer's modules and
@@ -86,7 +86,7 @@ def _layer_list(modules: list[dict[str, Any]], layers: list[Any]) -> list[Any]:
 
 
 def _layers_per_kind(layers: Sequence[Any], args: Any) -> int:
-    """How many first layers hold one layer of each kind (see :func:`keep_first_layer`)."""
+    """How many first layers hold one layer of each kind (see :func:`keep_first_layers`)."""
     types = getattr(args, "layer_types", None)
     pattern = getattr(args, "sliding_window_pattern", None)
     kinds = []

@@ -7,7 +7,7 @@ its ops and dtypes), so the model cut to its first layer compiles exactly the ke
 model needs: a warm-up after such a primer's took 7.0 s, as after a full warm-up's (7.3 s). A
 model with layers of several kinds (a hybrid's linear and full attention, sliding-window and
 full attention by position) is cut to the fewest first layers that hold one of each
-(``primer_cut.keep_first_layer``).
+(``primer_cut.keep_first_layers``).
 
 So while the engine imports and loads its weights, :class:`KernelPrimers` runs a few processes,
 each compiling part of the warm-up's kernels into a scratch directory of its own
@@ -62,7 +62,7 @@ from .kernel_probes import (
     weights_dtype,
 )
 from .options import EngineOptions
-from .primer_cut import LayersDiffer, keep_first_layer
+from .primer_cut import LayersDiffer, keep_first_layers
 from .primers_done import MODEL_GROUPS, SAMPLER, TILE_GROUPS, PrimersDone, group_of
 
 logger = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ def _compile(job: PrimerJob) -> str:
 
     fuse = fused.wanted("gpu" if runs_on_gpu(options.device) else "cpu", given=options.fuse)
     # The weights in the form the engine will run them in (a few layers always fit).
-    engine = options.loader()(split=keep_first_layer, fuse=fuse, dequantize=_dequantized(options))
+    engine = options.loader()(split=keep_first_layers, fuse=fuse, dequantize=_dequantized(options))
     read_published(job)  # loaded meanwhile
     if group == FORWARD:
         # One token: a decode's shape, which selects no tile of a 4-bit matmul (those compile
@@ -313,7 +313,7 @@ def _compile_sampler(job: PrimerJob) -> str:
 
     dtype = job.dtype
     if dtype is None:
-        engine = job.options.loader()(split=partial(keep_first_layer, alike=False), fuse=False)
+        engine = job.options.loader()(split=partial(keep_first_layers, alike=False), fuse=False)
         dtype = engine.loaded.dtype
     logits = mx.zeros((1, SAMPLER_VOCAB), dtype=getattr(mx, dtype))
     mx.eval(RowSampler(SamplingParams(temperature=1.0))(logits))

@@ -25,7 +25,7 @@ from mlx_trio.engine.kernel_probes import (
 )
 from mlx_trio.engine.model.loader import main_dtype
 from mlx_trio.engine.options import CoreRecipe, EngineOptions, boot_core
-from mlx_trio.engine.primer_cut import LayersDiffer, keep_first_layer
+from mlx_trio.engine.primer_cut import LayersDiffer, keep_first_layers
 from mlx_trio.engine.primers import (
     FORWARD,
     MODEL_GROUPS,
@@ -109,7 +109,7 @@ def test_a_model_is_cut_to_the_fewest_first_layers_of_each_kind_and_still_runs(f
     """A primer's cut model must run every warm-up shape, as the whole model would: a cut that
     drops a kind, or leaves the config counting caches for layers it dropped, fails there."""
     engine = families.make_engine(family)
-    assert keep_first_layer(engine.model) == kept
+    assert keep_first_layers(engine.model) == kept
     assert len(engine.model.layers) == kept
     if hasattr(engine.model, "make_cache"):
         assert len(engine.model.make_cache()) == kept
@@ -122,7 +122,7 @@ def test_a_model_whose_kinds_need_more_layers_is_not_cut(monkeypatch):
     monkeypatch.setitem(families.CONFIGS, "gemma3_text", {**config, "sliding_window_pattern": 6})
     model = families.make_model("gemma3_text")
     with pytest.raises(LayersDiffer):  # six layers before its first full one: past the cap
-        keep_first_layer(model)
+        keep_first_layers(model)
     assert len(model.layers) == 8
 
 
