@@ -125,8 +125,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     flags = flag_defaults(args)
     options = engine_options(args)
-    if torchless.wanted_for(options.model):  # before this process imports the engine
-        torchless.keep_out()
+    torchless.keep_out_for(options.model)  # before this process imports the engine
     return generate(args, options, lambda model: sampling_params(args, flags.over(model)), flags)
 
 
@@ -136,8 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ..engine import torchless
 
     options = serve_options(args)
-    if torchless.wanted_for(options.engine.model):  # before this process imports the engine
-        torchless.keep_out()
+    torchless.keep_out_for(options.engine.model)  # before this process imports the engine
     from .server import serve
 
     trio.run(serve, options)

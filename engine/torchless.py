@@ -59,6 +59,12 @@ def wanted_for(spec: str | None) -> bool:
     return isinstance(config, str) and wanted(Path(config).parent)
 
 
+def keep_out_for(spec: str | None) -> bool:
+    """:func:`keep_out` where :func:`wanted_for` says the model ``spec`` names lets it: what a
+    command that serves a model in its own process calls before it imports the engine."""
+    return wanted_for(spec) and keep_out()
+
+
 def keep_out() -> bool:
     """Make torch look absent to this process's later imports, unless it is imported already;
     returns whether it did."""
