@@ -34,7 +34,7 @@ from .errors import (
 )
 from .memory import ModelMemory, measure_model
 from .model import dequantize as dequantizing
-from .model import fused
+from .model import fused, gemm
 from .model.adapters import Adapters, AdapterSpec, mount
 from .model.loader import LoadedModel, load_model
 from .model.vision import prefill_with_images
@@ -318,6 +318,8 @@ class Engine:
             and fused.wanted(loaded.device, given=fuse)
         ):
             fused.fuse_projections(loaded.model)
+        if loaded.vision is None and gemm.wanted(loaded.device):
+            gemm.install(loaded.model)
         mounted = mount(loaded.model, adapters) if adapters else None
         budget = default_budget(
             loaded.device,

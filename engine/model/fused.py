@@ -28,6 +28,7 @@ layout (its projections are split across ranks).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
@@ -47,6 +48,10 @@ GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "
 MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite", "internlm3"}
 )
+
+
+def _product(x: mx.array, weight: mx.array) -> mx.array:
+    return x @ weight.T
 
 
 class Group:
@@ -70,6 +75,8 @@ class Group:
                 m.bias = self.bias[start : start + rows]
             start += rows
         self.views = [(m, m["weight"], m.get("bias")) for m in linears]
+        # x @ w.T for a bias-less group (``gemm.install`` sets the rows' kernel).
+        self.product: Callable[[mx.array, mx.array], mx.array] = _product
         self._input: mx.array | None = None
         self._parts: list[mx.array | None] = []
         self._left = 0  # parts of the last input not yet handed out
@@ -95,7 +102,11 @@ class Group:
             return out
         if not self.current():
             return None
-        y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
+        y = (
+            self.product(x, self.weight)
+            if self.bias is None
+            else mx.addmm(self.bias, x, self.weight.T)
+        )
         parts: list[mx.array | None] = list(mx.split(y, self.at, axis=-1))
         out, parts[index] = parts[index], None
         self._input, self._parts, self._left = x, parts, len(parts) - 1
