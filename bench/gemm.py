@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--configs", default="cublas,auto")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
+    if not mx.cuda.is_available():
+        sys.exit("bench.gemm times CUDA kernels: MLX sees no CUDA GPU here")
     print(f"device: {mx.default_device()}, mlx {mx.__version__}", flush=True)
     ok = all([check(*shape) for shape in CHECKS])
     if not ok:
