@@ -52,6 +52,7 @@ BK = 64  # K a tile: 8 chunks of 16 bytes a row, what the swizzle assumes
 WARPS_N = 4  # warps across a tile's columns
 MAX_ROWS = 256
 MIN_ROWS = 2
+MAX_SHARED = 232_448  # bytes of shared memory a block may have on Hopper
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,8 @@ def usable(x: mx.array, weight: mx.array) -> bool:
 def run(x2: mx.array, weight: mx.array, launch: Plan) -> mx.array:
     """The kernel's ``x2 @ weight.T`` for a 2-D ``x2`` with ``launch``'s shape (no checks)."""
     rows, n = x2.shape[0], weight.shape[0]
+    if launch.shared_bytes > MAX_SHARED or (launch.wgmma and rows > launch.bm):
+        raise ValueError(f"{launch} does not fit {rows} rows or an H100/H200 block")
     if launch.wgmma:
         blocks = launch.splits * -(-n // launch.bn)
         template = [

@@ -176,6 +176,11 @@ __device__ __forceinline__ unsigned long long trio_desc(unsigned addr) {
     d |= (unsigned long long)1 << 62;            // 128-byte swizzle
     return d;
 }
+template <int SUMS>
+__device__ __forceinline__ void trio_fence_sums(float* d) {
+    #pragma unroll
+    for (int i = 0; i < SUMS; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
 """
 
 
@@ -259,17 +264,19 @@ WGMMA = """
         trio_commit();
         const unsigned wt = trio_smem(smem + (t % STAGES) * STAGE) + wg * 64 * 128;
         const unsigned xt = trio_smem(smem + (t % STAGES) * STAGE + BW * BK * 2);
+        // The sums are the wgmmas' until wait_group: fenced as CUTLASS and DeepGEMM do.
+        trio_fence_sums<NB / 2>(acc);
         asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
         #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
             trio_wgmma(acc, trio_desc(wt + kk * 32), trio_desc(xt + kk * 32));
         }
         asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
+        trio_fence_sums<NB / 2>(acc);
         asm volatile("wgmma.wait_group.sync.aligned 0;\\n" ::: "memory");
+        trio_fence_sums<NB / 2>(acc);
     }
     trio_wait<0>();
-    #pragma unroll
-    for (int i = 0; i < NB / 2; ++i) asm volatile("" : "+f"(acc[i]) :: "memory");
 
     const int n_top = n0 + wg * 64 + warp * 16 + (lane >> 2);
     #pragma unroll
