@@ -193,8 +193,8 @@ def usable(x: mx.array, weight: mx.array) -> bool:
 def run(x2: mx.array, weight: mx.array, launch: Plan) -> mx.array:
     """The kernel's ``x2 @ weight.T`` for a 2-D ``x2`` with ``launch``'s shape (no checks)."""
     rows, n = x2.shape[0], weight.shape[0]
-    if launch.shared_bytes > MAX_SHARED or (launch.wgmma and rows > launch.bm):
-        raise ValueError(f"{launch} does not fit {rows} rows or an H100/H200 block")
+    assert launch.shared_bytes <= MAX_SHARED, f"{launch} needs more than a block's memory"
+    assert not launch.wgmma or rows <= launch.bm, f"{launch} holds fewer than {rows} rows"
     if launch.wgmma:
         blocks = launch.splits * -(-n // launch.bn)
         template = [
