@@ -19,7 +19,8 @@ from collections.abc import Iterator, Sequence
 
 from .batch.batch import DEFAULT_PREFILL_CHUNK, PREFILL_BATCH, BatchEngine
 from .budget import MemoryBudget, MemoryUsage
-from .generate import Engine, Generation
+from .generate import Engine
+from .generation import Generation
 from .memory import apply_budget, memory_usage, plan_budget, trim_allocator
 from .outputs import Delta, PromptCacheStatistics, RowEvent, RowOutput, RowProgress
 from .params import PreparedRequest

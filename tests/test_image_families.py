@@ -14,7 +14,8 @@ import httpx
 import openai
 import pytest
 
-from mlx_trio.engine.generate import Engine, Generation
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.generation import Generation
 from mlx_trio.engine.model.loader import load_model
 from mlx_trio.engine.model.vision import has_vision_weights
 from mlx_trio.engine.params import SamplingParams
