@@ -30,8 +30,9 @@ from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from ..engine.vocabulary.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choice
 from .anthropic_tools import ThinkingSpec, ToolChoiceSpec, ToolDefinition
 from .chat_parts import Body
+from .field_names import fields_of, format_param, log_ignored
 from .images import ImageBlock, ImageRef, ImageSource
-from .schemas import Number, SpeculativeOptions, fields_of, format_param, log_ignored
+from .schemas import Number, SpeculativeOptions
 
 # Anthropic's fields that change nothing here (metadata, routing, caching that is automatic
 # here, context editing that matters only past the context): accepted, ignored.

@@ -45,7 +45,7 @@ M = TypeVar("M", bound=BaseModel)
 
 def parse(model: type[M], data: dict[str, Any], fields: frozenset[str] | None = None) -> M:
     """``data`` as a ``model``; an error names its parameter by ``fields`` (the field names of
-    the API's bodies: ``schemas.fields_of``; None: the OpenAI chat and completion bodies')."""
+    the API's bodies: ``field_names.fields_of``; None: the OpenAI chat and completion bodies')."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

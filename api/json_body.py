@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from ..engine.errors import InvalidRequestError
-from .schemas import format_param
+from .field_names import format_param
 
 MAX_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")

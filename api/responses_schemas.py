@@ -23,6 +23,7 @@ from ..engine.vocabulary.prompt import Chat, ChatMessage
 from ..engine.vocabulary.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from ..engine.vocabulary.tools import Tool, ToolCall, ToolChoice, call_grammar, check_choice
 from .chat_parts import Body, JsonSchemaFormat, ResponseFormat, place_images
+from .field_names import fields_of
 from .images import ImageRef
 from .responses_tools import (
     FunctionChoice,
@@ -32,7 +33,7 @@ from .responses_tools import (
     check_tools,
     type_of,
 )
-from .schemas import NO_EFFECT_FIELDS, ReasoningEffort, _Request, effort_kwargs, fields_of
+from .schemas import NO_EFFECT_FIELDS, ReasoningEffort, _Request, effort_kwargs
 
 # Fields of the Responses API that change nothing here (storage hints, routing, what to echo).
 NO_EFFECT_RESPONSES_FIELDS = NO_EFFECT_FIELDS | {

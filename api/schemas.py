@@ -12,8 +12,7 @@ logged once per name.
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -38,9 +37,8 @@ from .chat_parts import (
     TextPart,
     ToolSpec,
 )
+from .field_names import fields_of, format_param, log_ignored
 from .images import ImageRef
-
-logger = logging.getLogger(__name__)
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -61,9 +59,6 @@ UNSUPPORTED_COMPLETION_FIELDS = frozenset({"suffix", "best_of"})
 NO_EFFECT_FIELDS = frozenset(
     {"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
 )
-_logged_unknown: set[str] = set()
-MAX_LOGGED_FIELDS = 1000  # names logged at most, so that no client can grow the set
-MAX_LOGGED_NAME = 64  # characters of a name logged (a client chooses it)
 
 
 class StreamOptions(Body):
@@ -207,25 +202,10 @@ class _Request(_Sampling):
                 log_ignored(name, "OpenAI")
 
 
-def log_ignored(name: str, api: str) -> None:
-    """Log, once per name, that a request field ``api`` does not define was ignored."""
-    if _first_time(name):
-        shown = name if len(name) <= MAX_LOGGED_NAME else name[:MAX_LOGGED_NAME] + "..."
-        logger.info("ignoring the request field %r: %s does not define it", shown, api)
-
-
 def effort_kwargs(effort: ReasoningEffort | None) -> dict[str, Any]:
     """A reasoning effort asked for, as the chat template variable that templates which take
     one read (gpt-oss's ``reasoning_effort``); a template without it ignores it."""
     return {} if effort is None else {"reasoning_effort": effort}
-
-
-def _first_time(name: str) -> bool:
-    """Whether ``name`` is an unknown field not seen (and logged) before."""
-    if name in _logged_unknown or len(_logged_unknown) >= MAX_LOGGED_FIELDS:
-        return False
-    _logged_unknown.add(name)
-    return True
 
 
 def _is_default(name: str, value: Any) -> bool:
@@ -408,13 +388,6 @@ _BODIES: tuple[type[BaseModel], ...] = (
 )
 
 
-def fields_of(*bodies: type[BaseModel]) -> frozenset[str]:
-    """The field names (as sent: by alias) of ``bodies``: what :func:`error_param` keeps of an
-    error's location."""
-    fields = [(name, f) for body in bodies for name, f in body.model_fields.items()]
-    return frozenset(f.alias or name for name, f in fields)
-
-
 _FIELD_NAMES = fields_of(*_BODIES)
 
 
@@ -425,8 +398,3 @@ def error_param(loc: tuple[int | str, ...], fields: frozenset[str] | None = None
     API's bodies pass theirs; None: the OpenAI chat and completion bodies')."""
     kept = _FIELD_NAMES if fields is None else fields
     return format_param([part for part in loc if isinstance(part, int) or part in kept])
-
-
-def format_param(path: Sequence[int | str]) -> str | None:
-    """A path into the body as OpenAI names a parameter: ``messages.[0].content``."""
-    return ".".join(f"[{part}]" if isinstance(part, int) else part for part in path) or None

@@ -13,7 +13,9 @@ import pytest
 
 from mlx_trio.actors.config import RuntimeConfig
 from mlx_trio.actors.testing.scripted import Script, ScriptedEngine
+from mlx_trio.api import field_names
 from mlx_trio.api.http_state import HttpSettings
+from mlx_trio.api.schemas import ChatCompletionRequest
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 from mlx_trio.engine.vocabulary.prompt import Prompt
 from tests.server_thread import ServerThread, scripted_server
@@ -230,3 +232,20 @@ def test_an_unexpected_exception_is_a_logged_500_in_openai_shape(caplog):
 
         served = httpx.post(f"{server.url}{COMPLETIONS}", json=completion_body(prompt="fine"))
         assert served.status_code == 200
+
+
+def test_unknown_fields_are_logged_once_each_and_never_without_bound(monkeypatch, caplog):
+    # A field OpenAI does not define is served and logged the first time its name comes; a
+    # client sending endless new names (or one huge name) cannot grow the log or the set.
+    monkeypatch.setattr(field_names, "_logged_unknown", set())
+    monkeypatch.setattr(field_names, "MAX_LOGGED_FIELDS", 3)
+    caplog.set_level(logging.INFO, logger="mlx_trio.api.field_names")
+    names = ["x_trace", "x_trace", "user", "n" * 500, "a", "b"]
+    for name in names:
+        ChatCompletionRequest.model_validate(chat_body(**{name: 1})).check_fields()
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == [
+        "ignoring the request field 'x_trace': OpenAI does not define it",
+        f"ignoring the request field '{'n' * 64}...': OpenAI does not define it",
+        "ignoring the request field 'a': OpenAI does not define it",
+    ]
