@@ -22,7 +22,7 @@ from mlx_lm.generate import BatchGenerator
 from ..generate import Engine
 from ..outputs import RowProgress
 from ..vocabulary.grammar import rewind
-from . import lean_step, masked_attention
+from . import decode_attention, lean_step, masked_attention
 from .alone import AlonePrefill, AloneRow
 from .batch_row import BatchRow, PromptStart
 from .schedule import TokenBudget
@@ -71,6 +71,7 @@ class GeneratorRows:
             self._wants_logprobs,
             self._select_adapters,
             plain_masked=masked_attention.wanted(engine.loaded.device),
+            decode_kernel=decode_attention.wanted(engine.loaded.device),
         )
         self._alone = AlonePrefill(
             engine.model,

@@ -16,7 +16,9 @@ them in place of the log-probabilities (which nobody reads). Otherwise it runs m
 The same step computes the masks of the rows held to grammars together (``grammar.BatchMasks``):
 each row's processor call would read its last token back from the device (a sync per row) and
 fill and apply its mask alone; here one read of the batch's tokens, the masks filled in
-parallel while the forward runs, and one ``where`` over the batch's logits.
+parallel while the forward runs, and one ``where`` over the batch's logits. On CUDA its
+attention runs through ``decode_attention``'s kernel (the batch's mask would send MLX's to
+plain ops).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from ..vocabulary.grammar import BatchMasks, GrammarProcessor, masked
+from .decode_attention import kernel_attention
 from .masked_attention import plain_masked_attention
 
 WantsLogprobs = Callable[[Sequence[int]], bool]
@@ -40,13 +43,15 @@ SelectAdapters = Callable[[Sequence[int]], AbstractContextManager[None]]
 
 
 class LeanGenerationBatch(GenerationBatch):
-    """See the module docstring. ``wants_logprobs(uids)``: whether a row of those wants them."""
+    """See the module docstring. ``wants_logprobs(uids)``: whether a row of those wants them;
+    ``decode_kernel``: its attention through ``decode_attention``'s kernel (on CUDA)."""
 
     wants_logprobs: WantsLogprobs
     select_adapters: SelectAdapters
+    decode_kernel: bool
 
     def _step(self) -> tuple[list[int], list[mx.array]]:
-        with self.select_adapters(self.uids):
+        with self.select_adapters(self.uids), kernel_attention(self.decode_kernel):
             if self.wants_logprobs(self.uids):
                 return super()._step()
             return self._lean_step()
@@ -134,13 +139,16 @@ def install(
     wants_logprobs: WantsLogprobs,
     select_adapters: SelectAdapters,
     plain_masked: bool = False,
+    decode_kernel: bool = False,
 ) -> None:
     """Make ``generator``'s generation batch (created with it, and extended with every new
     group of rows) a :class:`LeanGenerationBatch`, and its prompt batch (the same) an
     :class:`AdapterPromptBatch`; ``select_adapters(uids)``: the rows' forwards, each with its
-    adapter; ``plain_masked``: the prompt batch's masked attention in plain ops."""
+    adapter; ``plain_masked``: the prompt batch's masked attention in plain ops;
+    ``decode_kernel``: the generation batch's attention in ``decode_attention``'s kernel."""
     batch = generator._generation_batch
     batch.__class__ = LeanGenerationBatch
+    batch.decode_kernel = decode_kernel  # type: ignore[attr-defined]
     batch.wants_logprobs = wants_logprobs  # type: ignore[attr-defined]
     batch.select_adapters = select_adapters  # type: ignore[attr-defined]
     prompts = type("GeneratorPromptBatch", (AdapterPromptBatch,), {})

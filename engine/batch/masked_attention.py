@@ -19,8 +19,8 @@ own kernel), a causal or no mask (the prompts prefilled alone), attention sinks,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
@@ -84,17 +84,23 @@ def plain(
 
 
 @contextmanager
-def plain_masked_attention(enabled: bool = True) -> Iterator[None]:
-    """While inside, MLX's attention is :func:`attention` (``enabled``: else unchanged)."""
+def swapped(replacement: Callable[..., mx.array], enabled: bool = True) -> Iterator[None]:
+    """While inside, MLX's ``mx.fast.scaled_dot_product_attention`` is ``replacement``
+    (``enabled``: else unchanged); the models call it through that name."""
     if not enabled:
         yield
         return
     before = mx.fast.scaled_dot_product_attention
-    mx.fast.scaled_dot_product_attention = attention
+    mx.fast.scaled_dot_product_attention = replacement
     try:
         yield
     finally:
         mx.fast.scaled_dot_product_attention = before
+
+
+def plain_masked_attention(enabled: bool = True) -> AbstractContextManager[None]:
+    """While inside, MLX's attention is :func:`attention` (``enabled``: else unchanged)."""
+    return swapped(attention, enabled)
 
 
 def wanted(device: str) -> bool:

@@ -1,0 +1,146 @@
+"""The batch's decode attention kernel (``engine/batch/decode_attention.py``) against MLX's own
+path for one query under an array mask, on CUDA.
+
+First the answers: the kernel's and MLX's largest difference from float32 attention at odd
+shapes (rows, heads, KV heads, head size, keys; keys strided in a longer buffer, rows
+left-padded by different amounts). A shape where the kernel is off fails the run. Then:
+
+- **a step's attention**: 32 layers' attention of ``rows`` rows over ``keys`` keys (the 8B
+  shape's heads: 32 query heads, 8 KV heads of 128), built as one graph and evaluated once,
+  median ms, MLX's path and the kernel;
+- **with ``--model-dir``, the batch step**: mlx-trio's ``BatchEngine.step(1)`` on ``rows``
+  prompts of 40-120 tokens (so the rows are left-padded), median ms of ``--steps``, the kernel
+  off and on in turn on one engine (off, on, off, on).
+
+    python -m bench.decode_attention [--model-dir /tmp/m8] [--rows 16,64,128,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from mlx_trio.engine import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
+import mlx.core as mx
+
+from mlx_trio.engine.batch import decode_attention as kernel
+from mlx_trio.engine.batch.batch import BatchEngine
+from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.params import PreparedRequest, SamplingParams
+
+from .quantized_gpu import timed
+
+# rows, heads, KV heads, head size, keys: partial warps of keys, one key, groups of 1 to 8.
+CHECKS = (
+    (16, 32, 8, 128, 1),
+    (17, 32, 8, 128, 77),
+    (128, 32, 8, 128, 300),
+    (64, 16, 16, 64, 1000),
+    (32, 32, 8, 128, 2049),
+    (200, 8, 2, 64, 45),
+)
+LAYERS = 32
+
+
+def check() -> bool:
+    """Whether the kernel's answers are as close to float32's as MLX's at every shape."""
+    ok = True
+    for rows, heads, kv_heads, size, keys in CHECKS:
+        inputs = kernel.sample(rows, heads, kv_heads, size, keys)
+        ours, theirs = kernel.off_by(*inputs[:3], size**-0.5, inputs[3])
+        fine = kernel.close(ours, theirs)
+        ok &= fine
+        print(
+            f"check {rows} rows, {heads}/{kv_heads} heads of {size}, {keys} keys: max diff "
+            f"{ours:.4f} (MLX {theirs:.4f}) {'ok' if fine else 'WRONG'}"
+        )
+    return ok
+
+
+def layers(rows: int, keys: int) -> tuple[float, float]:
+    """Median ms of 32 layers' decode attention, MLX's path and the kernel."""
+    parts = [kernel.sample(rows, 32, 8, 128, keys) for _ in range(4)]  # 4 distinct caches
+    scale = 128**-0.5
+
+    def chain(through: object) -> mx.array:
+        outs = []
+        for layer in range(LAYERS):
+            q, k, v, mask = parts[layer % len(parts)]
+            outs.append(through(q, k, v, scale=scale, mask=mask))  # type: ignore[operator]
+        return mx.stack(outs)
+
+    return (
+        timed(lambda: chain(kernel._fused), 20),
+        timed(lambda: chain(kernel.attention), 20),
+    )
+
+
+def engine_steps(engine: Engine, rows: int, steps: int) -> list[float]:
+    """Median ms of a batch step for ``steps`` steps at a time, the kernel off, on, off, on."""
+    batch = BatchEngine(engine, max_batch=rows)
+    params = SamplingParams(temperature=0, max_tokens=4 * steps + 60)
+    for r in range(rows):
+        length = 40 + (r * 7) % 80
+        batch.add(
+            PreparedRequest(
+                tuple((11 + r * 31 + i * 13) % 1000 + 10 for i in range(length)), params
+            )
+        )
+    generation = batch._batch._generator._generation_batch  # the lean step's batch
+    for _ in range(10):  # the rows join, the first steps compile
+        batch.step(1)
+    medians = []
+    for on in (False, True, False, True):
+        generation.decode_kernel = on
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            batch.step(1)
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times[2:]) * 1e3)
+    batch.close()
+    return medians
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--rows", default="16,64,128,256")
+    parser.add_argument("--keys", default="64,256,1024")
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    if not mx.cuda.is_available():
+        sys.exit("bench.decode_attention needs a CUDA GPU")
+    print(f"device: {mx.default_device()}, mlx {mx.__version__}")
+    if not check():
+        sys.exit("the kernel's answers are off")
+    row_counts = [int(r) for r in args.rows.split(",")]
+    print("\n| rows | keys | MLX ms (32 layers) | kernel ms | kernel / MLX |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for rows in row_counts:
+        for keys in (int(k) for k in args.keys.split(",")):
+            theirs, ours = layers(rows, keys)
+            print(
+                f"| {rows} | {keys} | {theirs:.3f} | {ours:.3f} | {ours / theirs:.2f}x |",
+                flush=True,
+            )
+    if args.model_dir is None:
+        return
+    engine = Engine.load(args.model_dir)
+    print("\n| rows | step ms: off | on | off | on | on / off |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for rows in row_counts:
+        off1, on1, off2, on2 = engine_steps(engine, rows, args.steps)
+        ratio = (on1 + on2) / (off1 + off2)
+        print(
+            f"| {rows} | {off1:.2f} | {on1:.2f} | {off2:.2f} | {on2:.2f} | {ratio:.2f}x |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""A batch's decode attention in one kernel on CUDA, under the batch's array mask (issue 39).
+
+mlx-lm's ``BatchKVCache`` left-pads its rows, so every decode step attends under an array mask
+``(rows, 1, 1, keys)``. MLX 0.32's CUDA attention takes one query only without an array mask
+(its vector kernel), and cuDNN only several queries: a decode step under a mask falls back to
+plain ops, a product for the scores, the mask, a softmax and a product for the values, each
+its own kernel, in every layer of every step.
+
+:func:`attention` is that step's attention as one kernel through ``mx.fast.cuda_kernel``: a
+block per row and KV head, its query heads together (grouped-query attention reads each key
+once), warps striding over the keys with an online softmax in float32, then combined. It reads
+the cache's keys and values where they are (a slice of the cache's buffer, by strides: no
+copy), and skips a key the mask leaves out. It runs only for what it was written for (see
+:func:`takes`) and leaves everything else to MLX.
+
+:func:`kernel_attention` swaps it in while the generation batch steps (the engine thread is the
+only caller), where :func:`wanted`: ``MLX_TRIO_DECODE_ATTENTION`` (``on``/``off``), else
+:data:`DEFAULT_ON` on a CUDA GPU. :func:`sound` checks it against float32 attention once a
+process first; a kernel whose answers are off is not used (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from functools import cache
+from typing import Any
+
+from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
+
+# isort: split
+import mlx.core as mx
+
+from ..model.switches import env_switch
+from .masked_attention import swapped
+
+log = logging.getLogger(__name__)
+
+ENV = "MLX_TRIO_DECODE_ATTENTION"
+DEFAULT_ON = True  # on a CUDA GPU: a batch step at 128 rows 0.63x the time (design/030, section 10)
+
+WARPS = 8  # warps a block, each over every WARPS-th key
+MIN_BLOCKS = 128  # rows x KV heads below which MLX's own path is left (too few blocks)
+MAX_GROUP = 4  # query heads a KV head: each lane keeps 16 floats a head (past 4, they spill)
+HEAD_SIZES = (64, 128)
+DTYPES = (mx.bfloat16,)  # what sound() checks (the kernel itself reads float16 and float32 too)
+
+_fused = mx.fast.scaled_dot_product_attention
+
+HEADER = """
+#define TRIO_NEG_INF __int_as_float(0xff800000)
+// 8 elements from p (stride apart), as floats: one 16-byte load where they are contiguous.
+template <typename T>
+__device__ __forceinline__ void trio_load8(const T* p, int64_t stride, float* out) {
+    if (stride == 1 && (reinterpret_cast<unsigned long long>(p) & 15) == 0) {
+        if constexpr (sizeof(T) == 2) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(p);
+            const T* h = reinterpret_cast<const T*>(&raw);
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(h[i]);
+        } else {
+            const float4 a = *reinterpret_cast<const float4*>(p);
+            const float4 b = *reinterpret_cast<const float4*>(p + 4);
+            out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+            out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(p[i * stride]);
+    }
+}
+// exp(a - b) for a softmax's running maximum a that may still be TRIO_NEG_INF (no key yet): 0.
+__device__ __forceinline__ float trio_rescale(float a, float b) {
+    return a == TRIO_NEG_INF ? 0.0f : expf(a - b);
+}
+"""
+
+# A block per row and KV head (blockIdx.y, blockIdx.x); its G query heads together. A key's D
+# elements are read by LPK lanes, 8 each, so a warp takes KW keys at a time; each group of
+# lanes keeps its own running maximum, sum and output (online softmax, float32), merged across
+# the warp by shuffles and across the WARPS warps through shared memory.
+SOURCE = """
+    constexpr int LPK = D / 8;
+    constexpr int KW = 32 / LPK;
+    const int H = q_shape[1];
+    const int L = k_shape[2];
+    const int kvh = blockIdx.x;
+    const int b = blockIdx.y;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int sub = lane % LPK;
+    const int slot = lane / LPK;
+    const float s0 = scale[0];
+
+    const T* qp = q + b * q_strides[0] + (int64_t)kvh * G * q_strides[1] + sub * 8 * q_strides[3];
+    const T* kp = k + b * k_strides[0] + kvh * k_strides[1] + sub * 8 * k_strides[3];
+    const T* vp = v + b * v_strides[0] + kvh * v_strides[1] + sub * 8 * v_strides[3];
+    const bool* mp = mask + (mask_shape[0] == 1 ? 0 : b) * mask_strides[0];
+    const int64_t ks = k_strides[2], vs = v_strides[2], ms = mask_strides[3];
+
+    float qv[G][8], o[G][8], m[G], s[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        trio_load8(qp + g * q_strides[1], q_strides[3], qv[g]);
+        m[g] = TRIO_NEG_INF;
+        s[g] = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            qv[g][i] *= s0;
+            o[g][i] = 0.0f;
+        }
+    }
+
+    #pragma unroll 2
+    for (int base = warp * KW; base < L; base += WARPS * KW) {
+        const int j = base + slot;
+        const bool valid = j < L;
+        float kk[8], vv[8];
+        trio_load8(kp + (valid ? j : 0) * ks, k_strides[3], kk);
+        trio_load8(vp + (valid ? j : 0) * vs, v_strides[3], vv);
+        const bool keep = valid && mp[(valid ? j : 0) * ms];
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float dot = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) dot += qv[g][i] * kk[i];
+            #pragma unroll
+            for (int off = LPK / 2; off > 0; off >>= 1) {
+                dot += __shfl_xor_sync(0xffffffff, dot, off);
+            }
+            if (keep) {
+                const float top = fmaxf(m[g], dot);
+                const float c = trio_rescale(m[g], top);
+                const float p = expf(dot - top);
+                s[g] = s[g] * c + p;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) o[g][i] = o[g][i] * c + p * vv[i];
+                m[g] = top;
+            }
+        }
+    }
+
+    // The warp's KW groups of lanes into one (each lane then holds the merged state).
+    #pragma unroll
+    for (int off = LPK; off < 32; off <<= 1) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float m2 = __shfl_xor_sync(0xffffffff, m[g], off);
+            const float s2 = __shfl_xor_sync(0xffffffff, s[g], off);
+            const float top = fmaxf(m[g], m2);
+            const float c1 = trio_rescale(m[g], top), c2 = trio_rescale(m2, top);
+            s[g] = s[g] * c1 + s2 * c2;
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float o2 = __shfl_xor_sync(0xffffffff, o[g][i], off);
+                o[g][i] = o[g][i] * c1 + o2 * c2;
+            }
+            m[g] = top;
+        }
+    }
+
+    __shared__ float top_of[WARPS][G];
+    __shared__ float sum_of[WARPS][G];
+    __shared__ float out_of[WARPS][G][D];
+    if (slot == 0) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (sub == 0) {
+                top_of[warp][g] = m[g];
+                sum_of[warp][g] = s[g];
+            }
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) out_of[warp][g][sub * 8 + i] = o[g][i];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * D; e += WARPS * 32) {
+        const int g = e / D, d = e % D;
+        float top = TRIO_NEG_INF;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, top_of[w][g]);
+        float sum = 0.0f, acc = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float c = trio_rescale(top_of[w][g], top);
+            sum += sum_of[w][g] * c;
+            acc += out_of[w][g][d] * c;
+        }
+        out[((int64_t)b * H + kvh * G + g) * D + d] = static_cast<T>(sum > 0.0f ? acc / sum : 0.0f);
+    }
+"""
+
+
+@cache
+def _kernel() -> Callable[..., list[mx.array]]:
+    return mx.fast.cuda_kernel(
+        name="trio_decode_attention",
+        input_names=["q", "k", "v", "mask", "scale"],
+        output_names=["out"],
+        source=SOURCE,
+        header=HEADER,
+        ensure_row_contiguous=False,
+    )
+
+
+def takes(queries: mx.array, keys: Any, mask: Any, sinks: Any) -> bool:
+    """Whether :func:`attention` runs the kernel: one query a row under a boolean mask of
+    ``(rows or 1, 1, 1, keys)``, no sinks, a head size of 64 or 128 shared by keys and values
+    (not a quantized cache's tuples), groups of at most 4 query heads a KV head, and enough
+    rows x KV heads to fill the GPU."""
+    if sinks is not None or not isinstance(mask, mx.array) or not isinstance(keys, mx.array):
+        return False
+    if queries.ndim != 4 or keys.ndim != 4 or mask.ndim != 4 or mask.dtype != mx.bool_:
+        return False
+    rows, heads, length, size = queries.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    return (
+        length == 1
+        and size in HEAD_SIZES
+        and keys.shape[-1] == size
+        and queries.dtype in DTYPES
+        and keys.dtype == queries.dtype
+        and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_GROUP
+        and rows * kv_heads >= MIN_BLOCKS
+        and mask.shape[0] in (1, rows)
+        and mask.shape[1:3] == (1, 1)
+        and mask.shape[3] == num_keys
+        and num_keys >= 1
+    )
+
+
+def run(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array
+) -> mx.array:
+    """The kernel's attention (no checks: :func:`takes`)."""
+    rows, heads, _, size = queries.shape
+    kv_heads = keys.shape[1]
+    (out,) = _kernel()(
+        inputs=[queries, keys, values, mask, mx.array([scale], mx.float32)],
+        template=[("T", queries.dtype), ("D", size), ("G", heads // kv_heads), ("WARPS", WARPS)],
+        grid=(kv_heads * WARPS * 32, rows, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(rows, heads, 1, size)],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: Any = None,
+    sinks: mx.array | None = None,
+    **kwargs: Any,
+) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention``, through the kernel where :func:`takes` (CUDA
+    only: :func:`kernel_attention` swaps this in where :func:`wanted`)."""
+    if kwargs or not takes(queries, keys, mask, sinks) or values.shape != keys.shape:
+        return _fused(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
+    return run(queries, keys, values, scale, mask)
+
+
+def reference(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array
+) -> mx.array:
+    """The same attention in float32 plain ops (grouped heads repeated)."""
+    group = queries.shape[1] // keys.shape[1]
+    k = mx.repeat(keys.astype(mx.float32), group, axis=1)
+    v = mx.repeat(values.astype(mx.float32), group, axis=1)
+    scores = (queries.astype(mx.float32) * scale) @ k.swapaxes(-1, -2)
+    scores = mx.where(mask, scores, -float("inf"))
+    return mx.softmax(scores, axis=-1) @ v
+
+
+def off_by(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array
+) -> tuple[float, float]:
+    """The kernel's and MLX's largest difference from :func:`reference`."""
+    want = reference(queries, keys, values, scale, mask)
+
+    def worst(got: mx.array) -> float:
+        return mx.abs(got.astype(mx.float32) - want).max().item()
+
+    theirs = _fused(queries, keys, values, scale=scale, mask=mask)
+    return worst(run(queries, keys, values, scale, mask)), worst(theirs)
+
+
+def sample(rows: int, heads: int, kv_heads: int, size: int, num_keys: int) -> tuple[mx.array, ...]:
+    """A decode step's inputs as a batch's cache holds them: keys and values a slice of a
+    longer buffer (strided), each row left-padded by a different amount."""
+    key = mx.random.key(7)
+    parts = mx.random.split(key, 3)
+    queries = mx.random.normal((rows, heads, 1, size), key=parts[0]).astype(mx.bfloat16)
+    buffer = (rows, kv_heads, num_keys + 64, size)
+    keys = mx.random.normal(buffer, key=parts[1]).astype(mx.bfloat16)[..., :num_keys, :]
+    values = mx.random.normal(buffer, key=parts[2]).astype(mx.bfloat16)[..., :num_keys, :]
+    padding = mx.array([(r * 37) % num_keys for r in range(rows)])
+    mask = padding[:, None, None, None] <= mx.arange(num_keys)
+    return queries, keys, values, mask
+
+
+def close(ours: float, theirs: float) -> bool:
+    """Whether the kernel's error is within twice MLX's plus a bf16 step."""
+    return ours <= 2 * theirs + 0.01
+
+
+@cache
+def sound() -> bool:
+    """Whether the kernel gives MLX's answers on this GPU: 64 rows of 8 KV heads and 32 query
+    heads of 128, 300 keys strided in a longer buffer, rows left-padded by different amounts.
+    Checked once a process; a kernel that is off is not used (logged)."""
+    queries, keys, values, mask = sample(64, 32, 8, 128, 300)
+    ours, theirs = off_by(queries, keys, values, 128**-0.5, mask)
+    if not close(ours, theirs):
+        log.warning("the decode attention kernel is off by %.4f (MLX: %.4f): unused", ours, theirs)
+        return False
+    return True
+
+
+def wanted(device: str, *, given: bool | None = None) -> bool:
+    """Whether a model on ``device`` decodes its batch through the kernel: ``given`` if not
+    None, else ``MLX_TRIO_DECODE_ATTENTION`` (``on``/``off``) if set, else :data:`DEFAULT_ON`
+    on a CUDA GPU; and only where the GPU gives :func:`sound` answers."""
+    setting = given if given is not None else env_switch(ENV)
+    if setting is None:
+        setting = DEFAULT_ON and device == "gpu"
+    return setting and device == "gpu" and mx.cuda.is_available() and sound()
+
+
+def kernel_attention(enabled: bool = True) -> AbstractContextManager[None]:
+    """While inside, MLX's attention is :func:`attention` (``enabled``: else unchanged)."""
+    return swapped(attention, enabled)

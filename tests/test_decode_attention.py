@@ -1,0 +1,116 @@
+"""The batch's decode attention kernel (on CUDA): taken only for the shapes it was written for,
+off on the CPU whatever is asked, swapped in and out cleanly, and on CUDA the same attention as
+float32's (within MLX's own error)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_trio.engine.batch import decode_attention as kernel
+from mlx_trio.engine.errors import InvalidRequestError
+
+FUSED = mx.fast.scaled_dot_product_attention
+
+
+def decode(rows: int = 16, heads: int = 32, kv_heads: int = 8, size: int = 128, keys: int = 40):
+    queries = mx.zeros((rows, heads, 1, size), mx.bfloat16)
+    cache = mx.zeros((rows, kv_heads, keys, size), mx.bfloat16)
+    mask = mx.arange(keys)[None, None, None, :] >= mx.arange(rows)[:, None, None, None]
+    return queries, cache, mask
+
+
+def test_the_kernel_takes_one_query_a_row_under_the_batchs_mask():
+    queries, keys, mask = decode()
+    assert kernel.takes(queries, keys, mask, None)
+    assert kernel.takes(queries, keys, mask[:1], None)  # one mask for every row
+    assert kernel.takes(*decode(rows=32, heads=8, kv_heads=8, size=64), None)  # no grouping
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "two queries",
+        "no mask",
+        "causal",
+        "additive mask",
+        "a mask per head",
+        "sinks",
+        "head size 96",
+        "8 query heads a KV head",
+        "too few rows",
+        "float32",
+        "quantized keys",
+    ],
+)
+def test_everything_else_is_left_to_mlx(case: str):
+    queries, keys, mask = decode()
+    sinks = None
+    match case:
+        case "two queries":
+            queries = mx.concatenate([queries, queries], axis=2)
+        case "no mask":
+            mask = None
+        case "causal":
+            mask = "causal"
+        case "additive mask":
+            mask = mx.where(mask, 0.0, -1e9).astype(mx.bfloat16)
+        case "a mask per head":
+            mask = mx.repeat(mask, 32, axis=1)
+        case "sinks":
+            sinks = mx.zeros((32,))
+        case "head size 96":
+            queries, keys, mask = decode(size=96)
+        case "8 query heads a KV head":
+            queries, keys, mask = decode(heads=64)
+        case "too few rows":
+            queries, keys, mask = decode(rows=8)
+        case "float32":
+            queries, keys = queries.astype(mx.float32), keys.astype(mx.float32)
+        case "quantized keys":
+            keys = (keys, keys, keys)
+    assert not kernel.takes(queries, keys, mask, sinks)
+
+
+def test_off_on_the_cpu_whatever_is_asked(monkeypatch):
+    monkeypatch.setenv(kernel.ENV, "on")
+    assert not kernel.wanted("cpu")
+    assert not kernel.wanted("cpu", given=True)
+    monkeypatch.setenv(kernel.ENV, "off")
+    assert not kernel.wanted("gpu")
+    monkeypatch.setenv(kernel.ENV, "sometimes")
+    with pytest.raises(InvalidRequestError, match="on, off or auto"):
+        kernel.wanted("gpu")
+
+
+def test_the_swap_is_undone_even_when_the_step_raises():
+    with pytest.raises(RuntimeError), kernel.kernel_attention():
+        assert mx.fast.scaled_dot_product_attention is kernel.attention
+        raise RuntimeError("a step that failed")
+    assert mx.fast.scaled_dot_product_attention is FUSED
+    with kernel.kernel_attention(False):
+        assert mx.fast.scaled_dot_product_attention is FUSED
+
+
+def test_attention_not_taken_is_mlxs_own():
+    mx.random.seed(3)
+    queries = mx.random.normal((2, 4, 1, 16))
+    keys = mx.random.normal((2, 2, 9, 16))
+    values = mx.random.normal((2, 2, 9, 16))
+    mask = mx.arange(9)[None, None, None, :] >= mx.array([0, 3])[:, None, None, None]
+    got = kernel.attention(queries, keys, values, scale=0.25, mask=mask)
+    assert mx.allclose(got, FUSED(queries, keys, values, scale=0.25, mask=mask)).item()
+    want = kernel.reference(queries, keys, values, 0.25, mask)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on CUDA")
+@pytest.mark.parametrize(
+    "rows,heads,kv_heads,size,keys",
+    [(16, 32, 8, 128, 1), (17, 32, 8, 128, 77), (64, 16, 16, 64, 1000), (200, 8, 2, 64, 45)],
+)
+def test_kernel_matches_float32_attention_on_cuda(rows, heads, kv_heads, size, keys):
+    queries, keys_, values, mask = kernel.sample(rows, heads, kv_heads, size, keys)
+    ours, theirs = kernel.off_by(queries, keys_, values, size**-0.5, mask)
+    assert kernel.close(ours, theirs), (ours, theirs)
+    assert kernel.sound()
