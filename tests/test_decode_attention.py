@@ -9,6 +9,7 @@ import pytest
 
 from mlx_trio.engine.batch import decode_attention as kernel
 from mlx_trio.engine.errors import InvalidRequestError
+from tests.tiny import UNEVEN_PROMPTS, batch_tokens
 
 FUSED = mx.fast.scaled_dot_product_attention
 
@@ -102,6 +103,30 @@ def test_attention_not_taken_is_mlxs_own():
     assert mx.allclose(got, FUSED(queries, keys, values, scale=0.25, mask=mask)).item()
     want = kernel.reference(queries, keys, values, 0.25, mask)
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_a_batch_decodes_through_the_swap_and_keeps_its_tokens(tiny_engine, monkeypatch):
+    # On the CPU the kernel cannot run: the float32 reference stands in for it, taking every
+    # decode step's attention under the batch's mask. The swap must be made for the decode
+    # steps alone (one query a row, the left-padded rows' mask) and give the same tokens.
+    prompts = UNEVEN_PROMPTS
+    want = batch_tokens(tiny_engine, prompts)
+    taken: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def stand_in(queries, keys, values, scale, mask):  # type: ignore[no-untyped-def]
+        taken.append((queries.shape, mask.shape))
+        return kernel.reference(queries, keys, values, scale, mask).astype(queries.dtype)
+
+    def takes(queries, keys, mask, sinks):  # type: ignore[no-untyped-def]
+        return queries.shape[2] == 1 and isinstance(mask, mx.array)
+
+    monkeypatch.setattr(kernel, "wanted", lambda device: True)
+    monkeypatch.setattr(kernel, "takes", takes)
+    monkeypatch.setattr(kernel, "run", stand_in)
+    assert batch_tokens(tiny_engine, prompts) == want
+    assert taken, "no decode step went through the swap"
+    rows = len(prompts)
+    assert all(q[0] == rows and q[2] == 1 and m[:3] == (rows, 1, 1) for q, m in taken)
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on CUDA")

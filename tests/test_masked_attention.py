@@ -7,9 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_trio.engine.batch import masked_attention
-from mlx_trio.engine.batch.batch import BatchEngine
-from mlx_trio.engine.outputs import RowOutput
-from mlx_trio.engine.params import SamplingParams
+from tests.tiny import UNEVEN_PROMPTS, batch_tokens
 
 FUSED = mx.fast.scaled_dot_product_attention
 
@@ -67,21 +65,8 @@ def test_the_swap_lasts_only_inside_and_is_undone_on_error():
 
 
 def test_a_batch_prefilled_in_plain_attention_gives_the_same_tokens(tiny_engine, monkeypatch):
-    prompts = ["in the beginning", "the cat sat on the mat and looked at the door for a while"]
-    params = SamplingParams(temperature=0, max_tokens=8)
-
-    def tokens() -> list[list[int]]:
-        batch = BatchEngine(tiny_engine, max_batch=4, solo=False)
-        rows = [batch.add(tiny_engine.prepare(p, params)) for p in prompts]
-        out: dict[int, list[int]] = {row: [] for row in rows}
-        while batch.num_rows:
-            for event in batch.step():
-                if isinstance(event, RowOutput):
-                    out[event.row].extend(event.delta.token_ids)
-        batch.close()
-        return [out[row] for row in rows]
-
-    want = tokens()
+    prompts = UNEVEN_PROMPTS
+    want = batch_tokens(tiny_engine, prompts)
     taken: list[tuple[int, ...]] = []
     plain = masked_attention.plain
 
@@ -91,5 +76,5 @@ def test_a_batch_prefilled_in_plain_attention_gives_the_same_tokens(tiny_engine,
 
     monkeypatch.setattr(masked_attention, "wanted", lambda device: True)
     monkeypatch.setattr(masked_attention, "plain", spy)
-    assert tokens() == want
+    assert batch_tokens(tiny_engine, prompts) == want
     assert taken and all(shape[0] == len(prompts) and shape[2] > 1 for shape in taken)

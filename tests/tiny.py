@@ -12,10 +12,13 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.errors import UnsupportedModelError
 from mlx_trio.engine.generate import Engine
 from mlx_trio.engine.model.loader import LoadedModel
 from mlx_trio.engine.model.random_model import byte_level_tokenizer, in_memory, random_llama
+from mlx_trio.engine.outputs import RowOutput
+from mlx_trio.engine.params import SamplingParams
 from mlx_trio.engine.preparer import RequestPreparer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -104,3 +107,21 @@ def greedy(model: nn.Module, prompts: list[list[int]], steps: int) -> tuple[mx.a
     for _ in range(steps):
         tokens.append(mx.argmax(model(tokens[-1][:, None], cache=cache)[:, -1, :], axis=-1))
     return mx.stack(tokens, axis=1), logits
+
+
+# Two prompts of different lengths: a batch of them is left-padded, so it attends under a mask.
+UNEVEN_PROMPTS = ["in the beginning", "the cat sat on the mat and looked at the door for a while"]
+
+
+def batch_tokens(engine: Engine, prompts: list[str], max_tokens: int = 8) -> list[list[int]]:
+    """The greedy tokens of ``prompts`` generated together by a batch engine (no solo row)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    batch = BatchEngine(engine, max_batch=4, solo=False)
+    rows = [batch.add(engine.prepare(p, params)) for p in prompts]
+    out: dict[int, list[int]] = {row: [] for row in rows}
+    while batch.num_rows:
+        for event in batch.step():
+            if isinstance(event, RowOutput):
+                out[event.row].extend(event.delta.token_ids)
+    batch.close()
+    return [out[row] for row in rows]
