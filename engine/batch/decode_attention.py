@@ -177,6 +177,7 @@ def sound() -> bool:
     if not close(ours, theirs):
         log.warning("the decode attention kernel is off by %.4f (MLX: %.4f): unused", ours, theirs)
         return False
+    log.info("a batch's decode attention runs in one kernel (off by %.4f, MLX %.4f)", ours, theirs)
     return True
 
 
