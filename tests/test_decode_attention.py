@@ -139,3 +139,18 @@ def test_kernel_matches_float32_attention_on_cuda(rows, heads, kv_heads, size, k
     ours, theirs = kernel.off_by(queries, keys_, values, size**-0.5, mask)
     assert kernel.close(ours, theirs), (ours, theirs)
     assert kernel.sound()
+
+
+def test_a_kernel_this_mlx_cannot_build_is_left_out_not_raised(monkeypatch, caplog):
+    # An MLX whose compiler rejects the kernel (as 0.32.4's did a name its header lacked) must
+    # cost the batch its speed-up, not its requests: the check logs and says no.
+    def broken(*args):  # type: ignore[no-untyped-def]
+        raise RuntimeError("Failed to compile kernel: identifier is undefined")
+
+    monkeypatch.setattr(kernel, "run", broken)
+    kernel.sound.cache_clear()
+    try:
+        assert not kernel.sound()
+    finally:
+        kernel.sound.cache_clear()
+    assert "failed its check" in caplog.text

@@ -171,9 +171,14 @@ def close(ours: float, theirs: float) -> bool:
 def sound() -> bool:
     """Whether the kernel gives MLX's answers on this GPU: 64 rows of 8 KV heads and 32 query
     heads of 128, 300 keys strided in a longer buffer, rows left-padded by different amounts.
-    Checked once a process; a kernel that is off is not used (logged)."""
+    Checked once a process; a kernel that is off, or that this MLX cannot build or run, is
+    not used (logged): it costs speed, never a request."""
     queries, keys, values, mask = sample(64, 32, 8, 128, 300)
-    ours, theirs = off_by(queries, keys, values, 128**-0.5, mask)
+    try:
+        ours, theirs = off_by(queries, keys, values, 128**-0.5, mask)
+    except (RuntimeError, ValueError) as exc:  # MLX's errors for a kernel it cannot compile
+        log.warning("the decode attention kernel failed its check (%s): unused", exc)
+        return False
     if not close(ours, theirs):
         log.warning("the decode attention kernel is off by %.4f (MLX: %.4f): unused", ours, theirs)
         return False

@@ -172,7 +172,11 @@ def sound(*, wgmma: bool) -> bool:
     x = mx.random.normal((40, 1024), key=mx.random.key(0)).astype(mx.bfloat16)
     w = (mx.random.normal((1032, 1024), key=mx.random.key(1)) * 0.02).astype(mx.bfloat16)
     for splits in (1, 2):
-        ours, theirs = off_by(x, w, plan(40, 1032, 1024, splits=splits, wgmma=wgmma))
+        try:
+            ours, theirs = off_by(x, w, plan(40, 1032, 1024, splits=splits, wgmma=wgmma))
+        except (RuntimeError, ValueError) as exc:  # MLX's errors for a kernel it cannot build
+            log.warning("the rows' GEMM kernel failed its check (%s): not used", exc)
+            return False
         if not close(ours, theirs):
             log.warning("the rows' GEMM kernel is off by %.4f (MLX: %.4f): not used", ours, theirs)
             return False
