@@ -10,8 +10,8 @@ its own kernel, in every layer of every step.
 block per row and KV head, its query heads together (grouped-query attention reads each key
 once), warps striding over the keys with an online softmax in float32, then combined. It reads
 the cache's keys and values where they are (a slice of the cache's buffer, by strides: no
-copy), and skips a key the mask leaves out. It runs only for what it was written for (see
-:func:`takes`) and leaves everything else to MLX.
+copy), and keeps a key the mask excludes out of the softmax. It runs only for what it was
+written for (see :func:`takes`) and leaves everything else to MLX.
 
 :func:`kernel_attention` swaps it in while the generation batch steps (the engine thread is the
 only caller), where :func:`wanted`: ``MLX_TRIO_DECODE_ATTENTION`` (``on``/``off``), else
