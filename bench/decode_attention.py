@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlx_trio.engine.batch import decode_attention as kernel
 from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.generate import Engine
+from mlx_trio.engine.model import kernel_check
 from mlx_trio.engine.params import PreparedRequest, SamplingParams
 
 from .quantized_gpu import timed
@@ -52,7 +53,7 @@ def check() -> bool:
     for rows, heads, kv_heads, size, keys in CHECKS:
         inputs = kernel.sample(rows, heads, kv_heads, size, keys)
         ours, theirs = kernel.off_by(*inputs[:3], size**-0.5, inputs[3])
-        fine = kernel.close(ours, theirs)
+        fine = kernel_check.close(ours, theirs)
         ok &= fine
         print(
             f"check {rows} rows, {heads}/{kv_heads} heads of {size}, {keys} keys: max diff "

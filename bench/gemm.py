@@ -32,7 +32,7 @@ import mlx_trio.engine._blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 import mlx.core as mx
 
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.model import gemm
+from mlx_trio.engine.model import gemm, kernel_check
 
 from .decode_anatomy import forward
 from .quantized_gpu import timed
@@ -51,7 +51,7 @@ def check(rows: int, n: int, k: int) -> bool:
     for wgmma in (False, True) if gemm.hopper() else (False,):  # wgmma: Hopper's alone
         for splits in (1, 2):
             ours, theirs = gemm.off_by(x, w, gemm.plan(rows, n, k, splits=splits, wgmma=wgmma))
-            fine = gemm.close(ours, theirs)
+            fine = kernel_check.close(ours, theirs)
             ok &= fine
             print(
                 f"check {rows} x {k} @ {n}, {'wgmma' if wgmma else 'mma'} {splits} slices: "
@@ -157,7 +157,7 @@ def shape_rows(
         mx.eval(x)
         took = per_product(lambda x, w, _: x @ w.T, x, weights, None, args.rounds)
         chosen = gemm.plan(rows, out, inner, stages=args.stages)
-        fine = gemm.close(*gemm.off_by(x, weights[0], chosen))
+        fine = kernel_check.close(*gemm.off_by(x, weights[0], chosen))
         ok &= fine
         t_plan = per_product(gemm.run, x, weights, chosen, args.rounds)
         cells = []

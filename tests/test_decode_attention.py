@@ -9,6 +9,7 @@ import pytest
 
 from mlx_trio.engine.batch import decode_attention as kernel
 from mlx_trio.engine.errors import InvalidRequestError
+from mlx_trio.engine.model import kernel_check
 from tests.tiny import UNEVEN_PROMPTS, batch_tokens
 
 FUSED = mx.fast.scaled_dot_product_attention
@@ -137,7 +138,7 @@ def test_a_batch_decodes_through_the_swap_and_keeps_its_tokens(tiny_engine, monk
 def test_kernel_matches_float32_attention_on_cuda(rows, heads, kv_heads, size, keys):
     queries, keys_, values, mask = kernel.sample(rows, heads, kv_heads, size, keys)
     ours, theirs = kernel.off_by(queries, keys_, values, size**-0.5, mask)
-    assert kernel.close(ours, theirs), (ours, theirs)
+    assert kernel_check.close(ours, theirs), (ours, theirs)
     assert kernel.sound()
 
 

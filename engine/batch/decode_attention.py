@@ -21,7 +21,6 @@ process first; a kernel whose answers are off is not used (logged).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import cache
@@ -32,11 +31,10 @@ from .. import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 # isort: split
 import mlx.core as mx
 
+from ..model import kernel_check
 from ..model.switches import env_switch
 from . import decode_attention_sources as sources
 from .masked_attention import swapped
-
-log = logging.getLogger(__name__)
 
 ENV = "MLX_TRIO_DECODE_ATTENTION"
 DEFAULT_ON = True  # on a CUDA GPU: a batch step at 128 rows 0.63x the time (design/030, section 10)
@@ -162,11 +160,6 @@ def sample(rows: int, heads: int, kv_heads: int, size: int, num_keys: int) -> tu
     return queries, keys, values, mask
 
 
-def close(ours: float, theirs: float) -> bool:
-    """Whether the kernel's error is within twice MLX's plus a bf16 step."""
-    return ours <= 2 * theirs + 0.01
-
-
 @cache
 def sound() -> bool:
     """Whether the kernel gives MLX's answers on this GPU: 64 rows of 8 KV heads and 32 query
@@ -174,16 +167,10 @@ def sound() -> bool:
     Checked once a process; a kernel that is off, or that this MLX cannot build or run, is
     not used (logged): it costs speed, never a request."""
     queries, keys, values, mask = sample(64, 32, 8, 128, 300)
-    try:
-        ours, theirs = off_by(queries, keys, values, 128**-0.5, mask)
-    except (RuntimeError, ValueError) as exc:  # MLX's errors for a kernel it cannot compile
-        log.warning("the decode attention kernel failed its check (%s): unused", exc)
-        return False
-    if not close(ours, theirs):
-        log.warning("the decode attention kernel is off by %.4f (MLX: %.4f): unused", ours, theirs)
-        return False
-    log.info("a batch's decode attention runs in one kernel (off by %.4f, MLX %.4f)", ours, theirs)
-    return True
+    return kernel_check.passes(
+        "the batch's decode attention kernel",
+        lambda: off_by(queries, keys, values, 128**-0.5, mask),
+    )
 
 
 def wanted(device: str, *, given: bool | None = None) -> bool:

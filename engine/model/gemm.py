@@ -40,6 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import gemm_sources as sources
+from . import kernel_check
 from .fused import FusedLinear
 from .switches import env_switch
 
@@ -157,11 +158,6 @@ def off_by(x: mx.array, w: mx.array, launch: Plan) -> tuple[float, float]:
     return worst(run(x, w, launch)), worst(x @ w.T)
 
 
-def close(ours: float, theirs: float) -> bool:
-    """Whether the kernel's error is within twice MLX's plus a bf16 step."""
-    return ours <= 2 * theirs + 0.01
-
-
 @cache
 def sound(*, wgmma: bool) -> bool:
     """Whether a kernel gives MLX's answers on this GPU, one slice of K and two: checked once
@@ -171,16 +167,14 @@ def sound(*, wgmma: bool) -> bool:
     not answers."""
     x = mx.random.normal((40, 1024), key=mx.random.key(0)).astype(mx.bfloat16)
     w = (mx.random.normal((1032, 1024), key=mx.random.key(1)) * 0.02).astype(mx.bfloat16)
-    for splits in (1, 2):
-        try:
-            ours, theirs = off_by(x, w, plan(40, 1032, 1024, splits=splits, wgmma=wgmma))
-        except (RuntimeError, ValueError) as exc:  # MLX's errors for a kernel it cannot build
-            log.warning("the rows' GEMM kernel failed its check (%s): not used", exc)
-            return False
-        if not close(ours, theirs):
-            log.warning("the rows' GEMM kernel is off by %.4f (MLX: %.4f): not used", ours, theirs)
-            return False
-    return True
+    kind = "wgmma" if wgmma else "mma"
+    return all(
+        kernel_check.passes(
+            f"the rows' GEMM kernel ({kind}, {splits} slices)",
+            lambda splits=splits: off_by(x, w, plan(40, 1032, 1024, splits=splits, wgmma=wgmma)),
+        )
+        for splits in (1, 2)
+    )
 
 
 def usable(x: mx.array, weight: mx.array) -> bool:
