@@ -94,7 +94,7 @@ def run(
     rows, heads, _, size = queries.shape
     kv_heads = keys.shape[1]
     (out,) = _kernel()(
-        inputs=[queries, keys, values, mask, mx.array([scale], mx.float32)],
+        inputs=[queries, keys, values, mask, _scale(scale)],
         template=[("T", queries.dtype), ("D", size), ("G", heads // kv_heads), ("WARPS", WARPS)],
         grid=(kv_heads * WARPS * 32, rows, 1),
         threadgroup=(WARPS * 32, 1, 1),
@@ -102,6 +102,13 @@ def run(
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+@cache
+def _scale(scale: float) -> mx.array:
+    """``scale`` as the kernel's one-element input, made once a value (every layer of every
+    step passes the same one)."""
+    return mx.array([scale], mx.float32)
 
 
 def attention(
