@@ -3,16 +3,18 @@ path for one query under an array mask, on CUDA.
 
 First the answers: the kernel's and MLX's largest difference from float32 attention at odd
 shapes (rows, heads, KV heads, head size, keys; keys strided in a longer buffer, rows
-left-padded by different amounts). A shape where the kernel is off fails the run. Then:
+left-padded by different amounts), for each of ``--plans`` (warps a block x keys a group of
+lanes loads ahead; the first is the kernel's default). A shape where the kernel is off fails
+the run. Then:
 
 - **a step's attention**: 32 layers' attention of ``rows`` rows over ``keys`` keys (the 8B
   shape's heads: 32 query heads, 8 KV heads of 128), built as one graph and evaluated once,
-  median ms, MLX's path and the kernel;
+  median ms, MLX's path and the kernel in each plan;
 - **with ``--model-dir``, the batch step**: mlx-trio's ``BatchEngine.step(1)`` on ``rows``
   prompts of 40-120 tokens (so the rows are left-padded), median ms of ``--steps``, the kernel
   off and on in turn on one engine (off, on, off, on).
 
-    python -m bench.decode_attention [--model-dir /tmp/m8] [--rows 16,64,128,256]
+    python -m bench.decode_attention [--model-dir /tmp/m8] [--rows 16,64,128,256] [--plans 8x4,4x4]
 """
 
 from __future__ import annotations
@@ -47,37 +49,45 @@ CHECKS = (
 LAYERS = 32
 
 
-def check() -> bool:
-    """Whether the kernel's answers are as close to float32's as MLX's at every shape."""
+Plan = tuple[int, int]  # warps a block, keys a group of lanes loads ahead
+
+
+def check(plans: list[Plan]) -> bool:
+    """Whether the kernel's answers, in every plan, are as close to float32's as MLX's at every
+    shape."""
     ok = True
     for rows, heads, kv_heads, size, keys in CHECKS:
         inputs = kernel.sample(rows, heads, kv_heads, size, keys)
-        ours, theirs = kernel.off_by(*inputs[:3], size**-0.5, inputs[3])
-        fine = kernel_check.close(ours, theirs)
-        ok &= fine
-        print(
-            f"check {rows} rows, {heads}/{kv_heads} heads of {size}, {keys} keys: max diff "
-            f"{ours:.4f} (MLX {theirs:.4f}) {'ok' if fine else 'WRONG'}"
-        )
+        for warps, unroll in plans:
+            ours, theirs = kernel.off_by(
+                *inputs[:3], size**-0.5, inputs[3], warps=warps, unroll=unroll
+            )
+            fine = kernel_check.close(ours, theirs)
+            ok &= fine
+            print(
+                f"check {rows} rows, {heads}/{kv_heads} heads of {size}, {keys} keys, plan "
+                f"{warps}x{unroll}: max diff {ours:.4f} (MLX {theirs:.4f}) "
+                f"{'ok' if fine else 'WRONG'}"
+            )
     return ok
 
 
-def layers(rows: int, keys: int) -> tuple[float, float]:
-    """Median ms of 32 layers' decode attention, MLX's path and the kernel."""
+def layers(rows: int, keys: int, plans: list[Plan]) -> list[float]:
+    """Median ms of 32 layers' decode attention: MLX's path, then the kernel in each plan."""
     parts = [kernel.sample(rows, 32, 8, 128, keys) for _ in range(4)]  # 4 distinct caches
     scale = 128**-0.5
 
-    def chain(through: object) -> mx.array:
+    def chain(plan: Plan | None) -> mx.array:
         outs = []
         for layer in range(LAYERS):
             q, k, v, mask = parts[layer % len(parts)]
-            outs.append(through(q, k, v, scale=scale, mask=mask))  # type: ignore[operator]
+            if plan is None:
+                outs.append(kernel._fused(q, k, v, scale=scale, mask=mask))
+            else:
+                outs.append(kernel.run(q, k, v, scale, mask, warps=plan[0], unroll=plan[1]))
         return mx.stack(outs)
 
-    return (
-        timed(lambda: chain(kernel._fused), 20),
-        timed(lambda: chain(kernel.attention), 20),
-    )
+    return [timed(lambda p=plan: chain(p), 20) for plan in [None, *plans]]
 
 
 def engine_steps(engine: Engine, rows: int, steps: int) -> list[float]:
@@ -113,20 +123,28 @@ def main() -> None:
     parser.add_argument("--rows", default="16,64,128,256")
     parser.add_argument("--keys", default="64,256,1024")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument(
+        "--plans",
+        default=f"{kernel.WARPS}x{kernel.UNROLL}",
+        help="warps x keys loaded ahead, comma-separated (default: the kernel's)",
+    )
     args = parser.parse_args()
     if not mx.cuda.is_available():
         sys.exit("bench.decode_attention needs a CUDA GPU")
     print(f"device: {mx.default_device()}, mlx {mx.__version__}")
-    if not check():
+    plans = [(int(w), int(u)) for w, u in (p.split("x") for p in args.plans.split(","))]
+    if not check(plans):
         sys.exit("the kernel's answers are off")
     row_counts = [int(r) for r in args.rows.split(",")]
-    print("\n| rows | keys | MLX ms (32 layers) | kernel ms | kernel / MLX |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    names = [f"{w}x{u}" for w, u in plans]
+    print(f"\n| rows | keys | MLX ms (32 layers) | {' | '.join(names)} | first / MLX |")
+    print("| ---: | ---: | ---: |" + " ---: |" * (len(plans) + 1))
     for rows in row_counts:
         for keys in (int(k) for k in args.keys.split(",")):
-            theirs, ours = layers(rows, keys)
+            theirs, *ours = layers(rows, keys, plans)
+            cells = " | ".join(f"{t:.3f}" for t in ours)
             print(
-                f"| {rows} | {keys} | {theirs:.3f} | {ours:.3f} | {ours / theirs:.2f}x |",
+                f"| {rows} | {keys} | {theirs:.3f} | {cells} | {ours[0] / theirs:.2f}x |",
                 flush=True,
             )
     if args.model_dir is None:

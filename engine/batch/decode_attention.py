@@ -37,13 +37,14 @@ from . import decode_attention_sources as sources
 from .masked_attention import swapped
 
 ENV = "MLX_TRIO_DECODE_ATTENTION"
-DEFAULT_ON = True  # on a CUDA GPU: a batch step at 128 rows 0.63x the time (design/030, section 10)
+DEFAULT_ON = True  # on a CUDA GPU: a batch step at 128 rows 0.58x the time (design/030, section 10)
 
-WARPS = 8  # warps a block, each over every WARPS-th key
+WARPS = 4  # warps a block, each over every WARPS-th run of keys (4 x 4: the best plan measured)
+UNROLL = 4  # keys a group of lanes loads before it uses the first
 MIN_BLOCKS = 128  # rows x KV heads below which MLX's own path is left (too few blocks)
-MAX_GROUP = 4  # query heads a KV head: each lane keeps 16 floats a head (past 4, they spill)
+MAX_GROUP = 4  # query heads a KV head: each lane keeps 8 floats a head, so 4 fit 96 registers
 HEAD_SIZES = (64, 128)
-DTYPES = (mx.bfloat16,)  # what sound() checks (the kernel itself reads float16 and float32 too)
+DTYPES = (mx.bfloat16,)  # what sound() checks (the kernel itself reads float16 too)
 
 _fused = mx.fast.scaled_dot_product_attention
 
@@ -88,16 +89,30 @@ def takes(queries: mx.array, keys: Any, mask: Any, sinks: Any) -> bool:
 
 
 def run(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array,
+    *,
+    warps: int = WARPS,
+    unroll: int = UNROLL,
 ) -> mx.array:
-    """The kernel's attention (no checks: :func:`takes`)."""
+    """The kernel's attention (no checks: :func:`takes`); ``warps`` and ``unroll`` for a
+    benchmark's other plans."""
     rows, heads, _, size = queries.shape
     kv_heads = keys.shape[1]
     (out,) = _kernel()(
         inputs=[queries, keys, values, mask, _scale(scale)],
-        template=[("T", queries.dtype), ("D", size), ("G", heads // kv_heads), ("WARPS", WARPS)],
-        grid=(kv_heads * WARPS * 32, rows, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        template=[
+            ("T", queries.dtype),
+            ("D", size),
+            ("G", heads // kv_heads),
+            ("WARPS", warps),
+            ("U", unroll),
+        ],
+        grid=(kv_heads * warps * 32, rows, 1),
+        threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, heads, 1, size)],
         output_dtypes=[queries.dtype],
     )
@@ -141,16 +156,21 @@ def reference(
 
 
 def off_by(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array,
+    **plan: int,
 ) -> tuple[float, float]:
-    """The kernel's and MLX's largest difference from :func:`reference`."""
+    """The kernel's (run with ``plan``) and MLX's largest difference from :func:`reference`."""
     want = reference(queries, keys, values, scale, mask)
 
     def worst(got: mx.array) -> float:
         return mx.abs(got.astype(mx.float32) - want).max().item()
 
     theirs = _fused(queries, keys, values, scale=scale, mask=mask)
-    return worst(run(queries, keys, values, scale, mask)), worst(theirs)
+    return worst(run(queries, keys, values, scale, mask, **plan)), worst(theirs)
 
 
 def sample(rows: int, heads: int, kv_heads: int, size: int, num_keys: int) -> tuple[mx.array, ...]:
