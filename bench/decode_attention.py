@@ -4,8 +4,8 @@ path for one query under an array mask, on CUDA.
 First the answers: the kernel's and MLX's largest difference from float32 attention at odd
 shapes (rows, heads, KV heads, head size, keys; keys strided in a longer buffer, rows
 left-padded by different amounts), for each of ``--plans`` (warps a block x keys a group of
-lanes loads ahead; the first is the kernel's default). A shape where the kernel is off fails
-the run. Then:
+lanes loads ahead; by default the kernel's own). A shape where the kernel is off fails the
+run. Then:
 
 - **a step's attention**: 32 layers' attention of ``rows`` rows over ``keys`` keys (the 8B
   shape's heads: 32 query heads, 8 KV heads of 128), built as one graph and evaluated once,
