@@ -8,7 +8,12 @@ the later ones hit it. For each burst: the wall time to the last token, tok/s, T
 the steps by kind (the rows joining, decode, the step where rows end), and the time spent
 giving ended rows' KV to the prompt cache (as idle work once their tokens are out); with
 ``--phases``, the time of each part of mlx-lm's batch (its merge of the joining rows' caches,
-prefill, the first step, the join, decode steps, extracting an ended row's KV).
+prefill, the first step, the join, decode steps, extracting an ended row's KV); with ``--host``,
+the time in MLX's ``async_eval`` and ``eval`` (every caller's), nothing waited for. The lean
+step calls ``async_eval`` for the next step while the device runs the one before: it encodes
+the step's kernels there, and it also waits there for the device once more than 10 command
+buffers are in flight (``MAX_ACTIVE_TASKS`` in MLX's ``transforms.cpp``). ``eval`` is a wait for
+the device. What a step spends outside both is Python's: building the graph, the rows' work.
 
     python -m bench.burst_steps --model-dir /tmp/m8 --rows 128 --max-tokens 128
 """
@@ -81,12 +86,16 @@ class Phases:
                 )
 
 
-def phases(sync: bool) -> Phases:
-    """The commits always; with ``sync``, mlx-lm's batch's parts too."""
+def phases(sync: bool, host: bool = False) -> Phases:
+    """The commits always; with ``sync``, mlx-lm's batch's parts too; with ``host`` (and not
+    ``sync``), MLX's encoding and waiting."""
     mlx_generate = sys.modules["mlx_lm.generate"]
     timed = Phases(sync)
     timed.wrap(batch_rows, "commit")
     timed.wrap(batch_rows, "commit_many")
+    if host and not sync:
+        timed.wrap(mx, "async_eval", "mx.async_eval (encoding)")
+        timed.wrap(mx, "eval", "mx.eval (waiting)")
     if sync:
         timed.wrap(mlx_generate, "_merge_caches", "merge (rows' caches)")
         timed.wrap(mlx_generate.PromptProcessingBatch, "prompt", "prefill forward")
@@ -116,7 +125,7 @@ def commit_in_step() -> None:
 
 
 def burst(engine: Engine, batch: BatchEngine, offset: int, args: argparse.Namespace) -> None:
-    timed = phases(args.phases)
+    timed = phases(args.phases, args.host)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     steps: dict[str, list[float]] = defaultdict(list)
     start = time.perf_counter()
@@ -179,6 +188,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--phases", action="store_true", help="time mlx-lm's parts, each waited for (slower)"
+    )
+    parser.add_argument(
+        "--host", action="store_true", help="time MLX's encoding against its waits (no --phases)"
     )
     args = parser.parse_args()
     if args.commit_in_step:
