@@ -7,9 +7,9 @@ left-padded by different amounts), for each of ``--plans`` (warps a block x keys
 lanes loads ahead; by default the kernel's own). A shape where the kernel is off fails the
 run. Then:
 
-- **a step's attention**: 32 layers' attention of ``rows`` rows over ``keys`` keys (the 8B
-  shape's heads: 32 query heads, 8 KV heads of 128), built as one graph and evaluated once,
-  median ms, MLX's path and the kernel in each plan;
+- **a step's attention**: 32 layers' attention of ``rows`` rows over ``keys`` keys (``--heads``
+  query heads / KV heads of 128; by default the 8B shape's, 32/8), built as one graph and
+  evaluated once, median ms, MLX's path and the kernel in each plan;
 - **with ``--model-dir``, the batch step**: mlx-trio's ``BatchEngine.step(1)`` on ``rows``
   prompts of 40-120 tokens (so the rows are left-padded), median ms of ``--steps``, the kernel
   off and on in turn on one engine (off, on, off, on).
@@ -45,6 +45,8 @@ CHECKS = (
     (64, 16, 16, 64, 1000),
     (32, 32, 8, 128, 2049),
     (200, 8, 2, 64, 45),
+    (32, 64, 8, 128, 300),
+    (48, 28, 4, 128, 100),
 )
 LAYERS = 32
 
@@ -72,9 +74,12 @@ def check(plans: list[Plan]) -> bool:
     return ok
 
 
-def layers(rows: int, keys: int, plans: list[Plan]) -> list[float]:
-    """Median ms of 32 layers' decode attention: MLX's path, then the kernel in each plan."""
-    parts = [kernel.sample(rows, 32, 8, 128, keys) for _ in range(4)]  # 4 distinct caches
+def layers(
+    rows: int, keys: int, plans: list[Plan], heads: tuple[int, int] = (32, 8)
+) -> list[float]:
+    """Median ms of 32 layers' decode attention (``heads``: query heads, KV heads, of 128):
+    MLX's path, then the kernel in each plan."""
+    parts = [kernel.sample(rows, *heads, 128, keys) for _ in range(4)]  # 4 distinct caches
     scale = 128**-0.5
 
     def chain(plan: Plan | None) -> mx.array:
@@ -128,6 +133,9 @@ def main() -> None:
         default=f"{kernel.WARPS}x{kernel.UNROLL}",
         help="warps x keys loaded ahead, comma-separated (default: the kernel's)",
     )
+    parser.add_argument(
+        "--heads", default="32/8", help="query heads / KV heads of the timed layers (of 128)"
+    )
     args = parser.parse_args()
     if not mx.cuda.is_available():
         sys.exit("bench.decode_attention needs a CUDA GPU")
@@ -136,12 +144,15 @@ def main() -> None:
     if not check(plans):
         sys.exit("the kernel's answers are off")
     row_counts = [int(r) for r in args.rows.split(",")]
+    query_heads, kv_heads = (int(h) for h in args.heads.split("/"))
+    heads = (query_heads, kv_heads)
+    print(f"\n{query_heads} query heads, {kv_heads} KV heads of 128:")
     names = [f"{w}x{u}" for w, u in plans]
     print(f"\n| rows | keys | MLX ms (32 layers) | {' | '.join(names)} | first / MLX |")
     print("| ---: | ---: | ---: |" + " ---: |" * (len(plans) + 1))
     for rows in row_counts:
         for keys in (int(k) for k in args.keys.split(",")):
-            theirs, *ours = layers(rows, keys, plans)
+            theirs, *ours = layers(rows, keys, plans, heads)
             cells = " | ".join(f"{t:.3f}" for t in ours)
             print(
                 f"| {rows} | {keys} | {theirs:.3f} | {cells} | {ours[0] / theirs:.2f}x |",

@@ -39,7 +39,7 @@ def test_the_kernel_takes_one_query_a_row_under_the_batchs_mask():
         "a mask per head",
         "sinks",
         "head size 96",
-        "8 query heads a KV head",
+        "16 query heads a KV head",
         "too few rows",
         "float32",
         "quantized keys",
@@ -63,8 +63,8 @@ def test_everything_else_is_left_to_mlx(case: str):
             sinks = mx.zeros((32,))
         case "head size 96":
             queries, keys, mask = decode(size=96)
-        case "8 query heads a KV head":
-            queries, keys, mask = decode(heads=64)
+        case "16 query heads a KV head":
+            queries, keys, mask = decode(heads=128)
         case "too few rows":
             queries, keys, mask = decode(rows=8)
         case "float32":
@@ -123,6 +123,7 @@ def test_a_batch_decodes_through_the_swap_and_keeps_its_tokens(tiny_engine, monk
 
     monkeypatch.setattr(kernel, "wanted", lambda device: True)
     monkeypatch.setattr(kernel, "takes", takes)
+    monkeypatch.setattr(kernel, "sound", lambda group=4, size=128: True)
     monkeypatch.setattr(kernel, "run", stand_in)
     assert batch_tokens(tiny_engine, prompts) == want
     assert taken, "no decode step went through the swap"
@@ -133,13 +134,20 @@ def test_a_batch_decodes_through_the_swap_and_keeps_its_tokens(tiny_engine, monk
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on CUDA")
 @pytest.mark.parametrize(
     "rows,heads,kv_heads,size,keys",
-    [(16, 32, 8, 128, 1), (17, 32, 8, 128, 77), (64, 16, 16, 64, 1000), (200, 8, 2, 64, 45)],
+    [
+        (16, 32, 8, 128, 1),
+        (17, 32, 8, 128, 77),
+        (64, 16, 16, 64, 1000),
+        (200, 8, 2, 64, 45),
+        (32, 64, 8, 128, 300),  # groups of 8
+        (48, 28, 4, 128, 100),  # groups of 7
+    ],
 )
 def test_kernel_matches_float32_attention_on_cuda(rows, heads, kv_heads, size, keys):
     queries, keys_, values, mask = kernel.sample(rows, heads, kv_heads, size, keys)
     ours, theirs = kernel.off_by(queries, keys_, values, size**-0.5, mask)
     assert kernel_check.close(ours, theirs), (ours, theirs)
-    assert kernel.sound()
+    assert kernel.sound(heads // kv_heads, size)
 
 
 def test_a_kernel_this_mlx_cannot_build_is_left_out_not_raised(monkeypatch, caplog):
@@ -155,3 +163,24 @@ def test_a_kernel_this_mlx_cannot_build_is_left_out_not_raised(monkeypatch, capl
     finally:
         kernel.sound.cache_clear()
     assert "failed its check" in caplog.text
+
+
+def test_a_group_the_kernel_fails_its_check_for_is_left_to_mlx(monkeypatch):
+    # The kernel is checked for each group size and head size a model's attention meets; one
+    # whose check fails (here: groups of 8) goes to MLX's path while others still take it.
+    ran: list[int] = []
+
+    def run(queries, keys, values, scale, mask):  # type: ignore[no-untyped-def]
+        ran.append(queries.shape[1] // keys.shape[1])
+        return kernel.reference(queries, keys, values, scale, mask).astype(queries.dtype)
+
+    monkeypatch.setattr(kernel, "takes", lambda queries, keys, mask, sinks: True)
+    monkeypatch.setattr(kernel, "sound", lambda group=4, size=128: group != 8)
+    monkeypatch.setattr(kernel, "run", run)
+    queries, keys, values, mask = kernel.sample(16, 64, 8, 64, 12)
+    got = kernel.attention(queries, keys, values, scale=0.125, mask=mask)
+    assert ran == []
+    assert mx.array_equal(got, FUSED(queries, keys, values, scale=0.125, mask=mask)).item()
+    queries, keys, values, mask = kernel.sample(16, 32, 8, 64, 12)
+    kernel.attention(queries, keys, values, scale=0.125, mask=mask)
+    assert ran == [4]

@@ -42,7 +42,7 @@ DEFAULT_ON = True  # on a CUDA GPU: a batch step at 128 rows 0.58x the time (des
 WARPS = 4  # warps a block, each over every WARPS-th run of keys (4 x 4: the best plan measured)
 UNROLL = 4  # keys a group of lanes loads before it uses the first
 MIN_BLOCKS = 128  # rows x KV heads below which MLX's own path is left (too few blocks)
-MAX_GROUP = 4  # query heads a KV head: each lane keeps 8 floats a head, so 4 fit 96 registers
+MAX_GROUP = 8  # query heads a KV head: each lane keeps 8 floats a head (8: 128 registers, no spill)
 HEAD_SIZES = (64, 128)
 DTYPES = (mx.bfloat16,)  # what sound() checks (the kernel itself reads float16 too)
 
@@ -64,7 +64,7 @@ def _kernel() -> Callable[..., list[mx.array]]:
 def takes(queries: mx.array, keys: Any, mask: Any, sinks: Any) -> bool:
     """Whether :func:`attention` runs the kernel: one query a row under a boolean mask of
     ``(rows or 1, 1, 1, keys)``, no sinks, a head size of 64 or 128 shared by keys and values
-    (not a quantized cache's tuples), groups of at most 4 query heads a KV head, and enough
+    (not a quantized cache's tuples), groups of at most 8 query heads a KV head, and enough
     rows x KV heads to fill the GPU."""
     if sinks is not None or not isinstance(mask, mx.array) or not isinstance(keys, mx.array):
         return False
@@ -136,9 +136,15 @@ def attention(
     sinks: mx.array | None = None,
     **kwargs: Any,
 ) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention``, through the kernel where :func:`takes` (CUDA
-    only: :func:`kernel_attention` swaps this in where :func:`wanted`)."""
-    if kwargs or not takes(queries, keys, mask, sinks) or values.shape != keys.shape:
+    """``mx.fast.scaled_dot_product_attention``, through the kernel where :func:`takes` and
+    the kernel is :func:`sound` for the group and head size (CUDA only:
+    :func:`kernel_attention` swaps this in where :func:`wanted`)."""
+    if (
+        kwargs
+        or not takes(queries, keys, mask, sinks)
+        or values.shape != keys.shape
+        or not sound(queries.shape[1] // keys.shape[1], queries.shape[-1])
+    ):
         return _fused(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
     return run(queries, keys, values, scale, mask)
 
@@ -188,15 +194,17 @@ def sample(rows: int, heads: int, kv_heads: int, size: int, num_keys: int) -> tu
 
 
 @cache
-def sound() -> bool:
-    """Whether the kernel gives MLX's answers on this GPU: 64 rows of 8 KV heads and 32 query
-    heads of 128, 300 keys strided in a longer buffer, rows left-padded by different amounts.
-    Checked once a process; a kernel that is off, or that this MLX cannot build or run, is
-    not used (logged): it costs speed, never a request."""
-    queries, keys, values, mask = sample(64, 32, 8, 128, 300)
+def sound(group: int = 4, size: int = 128) -> bool:
+    """Whether the kernel gives MLX's answers on this GPU for ``group`` query heads a KV head
+    of ``size``: 64 rows of 8 KV heads, 300 keys strided in a longer buffer, rows left-padded
+    by different amounts. Checked once a process for each group and size: 4 of 128 by
+    :func:`wanted` (the kernel builds and runs at all), any other the first time a model's
+    attention meets it. A kernel that is off, or that this MLX cannot build or run, is not
+    used there (logged): it costs speed, never a request."""
+    queries, keys, values, mask = sample(64, 8 * group, 8, size, 300)
     return kernel_check.passes(
-        "the batch's decode attention kernel",
-        lambda: off_by(queries, keys, values, 128**-0.5, mask),
+        f"the batch's decode attention kernel ({group} query heads a KV head of {size})",
+        lambda: off_by(queries, keys, values, size**-0.5, mask),
     )
 
 
