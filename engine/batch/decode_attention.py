@@ -15,8 +15,9 @@ written for (see :func:`takes`) and leaves everything else to MLX.
 
 :func:`kernel_attention` swaps it in while the generation batch steps (the engine thread is the
 only caller), where :func:`wanted`: ``MLX_TRIO_DECODE_ATTENTION`` (``on``/``off``), else
-:data:`DEFAULT_ON` on a CUDA GPU. :func:`sound` checks it against float32 attention once a
-process first; a kernel whose answers are off is not used (logged).
+:data:`DEFAULT_ON` on a CUDA GPU. :func:`sound` checks it against float32 attention first,
+once a process for each group size and head size it meets; where its answers are off it is
+not used (logged).
 """
 
 from __future__ import annotations
