@@ -23,6 +23,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 from mlx_trio.engine import _blas  # noqa: F401  (loads OpenBLAS: before MLX below)
 
@@ -52,6 +53,22 @@ LAYERS = 32
 
 
 Plan = tuple[int, int]  # warps a block, keys a group of lanes loads ahead
+
+
+def pairs(separator: str) -> Callable[[str], list[tuple[int, int]]]:
+    """An argparse type: comma-separated pairs of positive integers, ``4x4,8x2`` (``x``) or
+    ``32/8`` (``/``); anything else is the parser's one-line error."""
+
+    def parse(text: str) -> list[tuple[int, int]]:
+        try:
+            found = [tuple(int(n) for n in part.split(separator)) for part in text.split(",")]
+        except ValueError:
+            found = []
+        if not found or any(len(p) != 2 or min(p) < 1 for p in found):
+            raise argparse.ArgumentTypeError(f"{text!r}: want pairs like 4{separator}4")
+        return found  # type: ignore[return-value]
+
+    return parse
 
 
 def check(plans: list[Plan]) -> bool:
@@ -130,34 +147,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument(
         "--plans",
-        default=f"{kernel.WARPS}x{kernel.UNROLL}",
+        type=pairs("x"),
+        default=[(kernel.WARPS, kernel.UNROLL)],
         help="warps x keys loaded ahead, comma-separated (default: the kernel's)",
     )
     parser.add_argument(
-        "--heads", default="32/8", help="query heads / KV heads of the timed layers (of 128)"
+        "--heads",
+        type=pairs("/"),
+        default=[(32, 8)],
+        help="query heads / KV heads of the timed layers (of 128), a table each",
     )
     args = parser.parse_args()
     if not mx.cuda.is_available():
         sys.exit("bench.decode_attention needs a CUDA GPU")
     print(f"device: {mx.default_device()}, mlx {mx.__version__}")
-    plans = [(int(w), int(u)) for w, u in (p.split("x") for p in args.plans.split(","))]
+    plans: list[Plan] = args.plans
     if not check(plans):
         sys.exit("the kernel's answers are off")
     row_counts = [int(r) for r in args.rows.split(",")]
-    query_heads, kv_heads = (int(h) for h in args.heads.split("/"))
-    heads = (query_heads, kv_heads)
-    print(f"\n{query_heads} query heads, {kv_heads} KV heads of 128:")
     names = [f"{w}x{u}" for w, u in plans]
-    print(f"\n| rows | keys | MLX ms (32 layers) | {' | '.join(names)} | first / MLX |")
-    print("| ---: | ---: | ---: |" + " ---: |" * (len(plans) + 1))
-    for rows in row_counts:
-        for keys in (int(k) for k in args.keys.split(",")):
-            theirs, *ours = layers(rows, keys, plans, heads)
-            cells = " | ".join(f"{t:.3f}" for t in ours)
-            print(
-                f"| {rows} | {keys} | {theirs:.3f} | {cells} | {ours[0] / theirs:.2f}x |",
-                flush=True,
-            )
+    for query_heads, kv_heads in args.heads:
+        print(f"\n{query_heads} query heads, {kv_heads} KV heads of 128:")
+        print(f"\n| rows | keys | MLX ms (32 layers) | {' | '.join(names)} | first / MLX |")
+        print("| ---: | ---: | ---: |" + " ---: |" * (len(plans) + 1))
+        for rows in row_counts:
+            for keys in (int(k) for k in args.keys.split(",")):
+                theirs, *ours = layers(rows, keys, plans, (query_heads, kv_heads))
+                cells = " | ".join(f"{t:.3f}" for t in ours)
+                print(
+                    f"| {rows} | {keys} | {theirs:.3f} | {cells} | {ours[0] / theirs:.2f}x |",
+                    flush=True,
+                )
     if args.model_dir is None:
         return
     engine = Engine.load(args.model_dir)
