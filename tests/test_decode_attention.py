@@ -4,8 +4,11 @@ float32's (within MLX's own error)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import pytest
+from mlx_lm.models import llama
 
 from mlx_trio.engine.batch import decode_attention as kernel
 from mlx_trio.engine.errors import InvalidRequestError
@@ -85,6 +88,50 @@ def test_off_on_the_cpu_whatever_is_asked(monkeypatch):
         kernel.wanted("gpu")
 
 
+def llama_args(heads: int, kv_heads: int, hidden: int, head_dim: int | None = None):
+    return SimpleNamespace(
+        args=llama.ModelArgs(
+            model_type="llama",
+            hidden_size=hidden,
+            num_hidden_layers=1,
+            intermediate_size=4 * hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=1e-5,
+            vocab_size=32,
+        )
+    )
+
+
+def test_a_models_group_and_head_size_come_from_its_arguments():
+    assert kernel.shape_of(llama_args(32, 8, 4096)) == (4, 128)  # Llama-3-8B
+    assert kernel.shape_of(llama_args(28, 4, 3584)) == (7, 128)  # Qwen2.5-7B
+    assert kernel.shape_of(llama_args(32, 8, 2048, head_dim=64)) == (4, 64)
+    assert kernel.shape_of(llama_args(9, 3, 576)) == (3, 64)  # SmolLM2-135M
+    assert kernel.shape_of(llama_args(64, 4, 8192)) is None  # groups of 16
+    assert kernel.shape_of(llama_args(32, 8, 3072)) is None  # heads of 96
+    assert kernel.shape_of(SimpleNamespace()) is None  # no mlx-lm arguments
+
+
+def test_the_models_own_group_is_checked_as_the_batch_is_built(monkeypatch):
+    # A model whose group or head size is not 4 of 128 pays its kernel check (a compile, about
+    # 3 s on an H100) as its batch is built, at the server's warm-up, not in a request's step.
+    checked: list[tuple[int, int]] = []
+
+    def sound(group: int = 4, size: int = 128) -> bool:
+        checked.append((group, size))
+        return True
+
+    monkeypatch.delenv(kernel.ENV, raising=False)
+    monkeypatch.setattr(kernel, "sound", sound)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert kernel.wanted("gpu", model=llama_args(28, 4, 3584))
+    assert checked == [(4, 128), (7, 128)]
+    assert not kernel.wanted("cpu", model=llama_args(28, 4, 3584))
+    assert checked == [(4, 128), (7, 128)]  # nothing checked where the kernel is not wanted
+
+
 def test_the_swap_is_undone_even_when_the_step_raises():
     with pytest.raises(RuntimeError), kernel.kernel_attention():
         assert mx.fast.scaled_dot_product_attention is kernel.attention
@@ -121,7 +168,7 @@ def test_a_batch_decodes_through_the_swap_and_keeps_its_tokens(tiny_engine, monk
     def takes(queries, keys, mask, sinks):  # type: ignore[no-untyped-def]
         return queries.shape[2] == 1 and isinstance(mask, mx.array)
 
-    monkeypatch.setattr(kernel, "wanted", lambda device: True)
+    monkeypatch.setattr(kernel, "wanted", lambda device, **_: True)
     monkeypatch.setattr(kernel, "takes", takes)
     monkeypatch.setattr(kernel, "sound", lambda group=4, size=128: True)
     monkeypatch.setattr(kernel, "run", stand_in)

@@ -71,7 +71,7 @@ class GeneratorRows:
             self._wants_logprobs,
             self._select_adapters,
             plain_masked=masked_attention.wanted(engine.loaded.device),
-            decode_kernel=decode_attention.wanted(engine.loaded.device),
+            decode_kernel=decode_attention.wanted(engine.loaded.device, model=engine.model),
         )
         self._alone = AlonePrefill(
             engine.model,

@@ -198,8 +198,8 @@ def sample(rows: int, heads: int, kv_heads: int, size: int, num_keys: int) -> tu
 def sound(group: int = 4, size: int = 128) -> bool:
     """Whether the kernel gives MLX's answers on this GPU for ``group`` query heads a KV head
     of ``size``: 64 rows of 8 KV heads, 300 keys strided in a longer buffer, rows left-padded
-    by different amounts. Checked once a process for each group and size: 4 of 128 by
-    :func:`wanted` (the kernel builds and runs at all), any other the first time a model's
+    by different amounts. Checked once a process for each group and size: 4 of 128 and the
+    model's own by :func:`wanted`, as the batch is built; any other the first time a model's
     attention meets it. A kernel that is off, or that this MLX cannot build or run, is not
     used there (logged): it costs speed, never a request."""
     queries, keys, values, mask = sample(64, 8 * group, 8, size, 300)
@@ -209,14 +209,34 @@ def sound(group: int = 4, size: int = 128) -> bool:
     )
 
 
-def wanted(device: str, *, given: bool | None = None) -> bool:
+def wanted(device: str, *, given: bool | None = None, model: Any = None) -> bool:
     """Whether a model on ``device`` decodes its batch through the kernel: ``given`` if not
     None, else ``MLX_TRIO_DECODE_ATTENTION`` (``on``/``off``) if set, else :data:`DEFAULT_ON`
-    on a CUDA GPU; and only where the GPU gives :func:`sound` answers."""
+    on a CUDA GPU; and only where the GPU gives :func:`sound` answers. Where it is wanted,
+    ``model``'s own group and head size (:func:`shape_of`) are checked now, as the batch is
+    built (the server's warm-up), not in its first decode step."""
     setting = given if given is not None else env_switch(ENV)
     if setting is None:
         setting = DEFAULT_ON and device == "gpu"
-    return setting and device == "gpu" and mx.cuda.is_available() and sound()
+    if not (setting and device == "gpu" and mx.cuda.is_available() and sound()):
+        return False
+    if model is not None and (shape := shape_of(model)) is not None:
+        sound(*shape)  # cached: a failure is logged, and attention() leaves that shape to MLX
+    return True
+
+
+def shape_of(model: Any) -> tuple[int, int] | None:
+    """``model``'s query heads a KV head and head size, from its mlx-lm arguments, where the
+    kernel was written for them (None: not, or not said there)."""
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        return None
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    size = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", None) or 0) // heads
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP or size not in HEAD_SIZES:
+        return None
+    return heads // kv_heads, size
 
 
 def kernel_attention(enabled: bool = True) -> AbstractContextManager[None]:
