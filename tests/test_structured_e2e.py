@@ -180,7 +180,7 @@ class Grade(BaseModel):
 class Student(BaseModel):
     name: Short
     grades: list[Grade] = Field(max_length=4)
-    mentor: Person | None = None
+    mentor: Contact | None = None  # (a Person here made this the batch's longest row)
 
 
 class Event(BaseModel):
@@ -217,8 +217,8 @@ class Settings(BaseModel):
     language: Short | None = None
 
 
-# Twenty schemas, asked together (the batch serves them side by side); the first three also
-# one at a time, greedy.
+# Twenty schemas, asked together (the batch serves them side by side); two of them also one at
+# a time, greedy.
 SCHEMAS = [
     (Person, "Invent a person who lives in Paris."),
     (Solution, "Solve 12 + 30 step by step."),
@@ -241,7 +241,7 @@ SCHEMAS = [
     (City, "Describe Madrid."),
     (Ingredient, "One ingredient of bread."),
 ]
-CASES = SCHEMAS[:3]
+CASES = [SCHEMAS[0], SCHEMAS[2]]  # Person (nested, optional), Flags (lists, enums)
 
 
 def parse(server, schema: type[BaseModel], prompt: str, **sampling: object):
