@@ -168,11 +168,18 @@ def test_a_batch_decodes_through_the_swap_and_keeps_its_tokens(tiny_engine, monk
     def takes(queries, keys, mask, sinks):  # type: ignore[no-untyped-def]
         return queries.shape[2] == 1 and isinstance(mask, mx.array)
 
-    monkeypatch.setattr(kernel, "wanted", lambda device, **_: True)
+    asked_for: list[object] = []
+
+    def wanted(device: str, *, model: object = None) -> bool:
+        asked_for.append(model)  # the batch names its model: its own shape is checked then
+        return True
+
+    monkeypatch.setattr(kernel, "wanted", wanted)
     monkeypatch.setattr(kernel, "takes", takes)
     monkeypatch.setattr(kernel, "sound", lambda group=4, size=128: True)
     monkeypatch.setattr(kernel, "run", stand_in)
     assert batch_tokens(tiny_engine, prompts) == want
+    assert asked_for == [tiny_engine.model]
     assert taken, "no decode step went through the swap"
     rows = len(prompts)
     assert all(q[0] == rows and q[2] == 1 and m[:3] == (rows, 1, 1) for q, m in taken)
