@@ -62,6 +62,12 @@ def _kernel() -> Callable[..., list[mx.array]]:
     )
 
 
+def written_for(heads: int, kv_heads: int, size: int) -> bool:
+    """Whether the kernel was written for ``heads`` query heads over ``kv_heads`` of ``size``:
+    a head size of 64 or 128, groups of at most 8 query heads a KV head."""
+    return size in HEAD_SIZES and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
+
+
 def takes(queries: mx.array, keys: Any, mask: Any, sinks: Any) -> bool:
     """Whether :func:`attention` runs the kernel: one query a row under a boolean mask of
     ``(rows or 1, 1, 1, keys)``, no sinks, a head size of 64 or 128 shared by keys and values
@@ -75,12 +81,10 @@ def takes(queries: mx.array, keys: Any, mask: Any, sinks: Any) -> bool:
     kv_heads, num_keys = keys.shape[1], keys.shape[2]
     return (
         length == 1
-        and size in HEAD_SIZES
+        and written_for(heads, kv_heads, size)
         and keys.shape[-1] == size
         and queries.dtype in DTYPES
         and keys.dtype == queries.dtype
-        and heads % kv_heads == 0
-        and heads // kv_heads <= MAX_GROUP
         and rows * kv_heads >= MIN_BLOCKS
         and mask.shape[0] in (1, rows)
         and mask.shape[1:3] == (1, 1)
@@ -234,9 +238,7 @@ def shape_of(model: Any) -> tuple[int, int] | None:
         return None
     kv_heads = getattr(args, "num_key_value_heads", None) or heads
     size = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", None) or 0) // heads
-    if heads % kv_heads or heads // kv_heads > MAX_GROUP or size not in HEAD_SIZES:
-        return None
-    return heads // kv_heads, size
+    return (heads // kv_heads, size) if written_for(heads, kv_heads, size) else None
 
 
 def kernel_attention(enabled: bool = True) -> AbstractContextManager[None]:
