@@ -304,13 +304,23 @@ def test_a_mixed_run_reports_the_short_streams_gaps_and_paired_ratios(
             "prefill_batch": 8,
             "prefill_chunk": 256,
             "rounds": 2,
-            "scenarios": [{"name": "mixed", "description": "short streams, then long prompts"}],
+            "scenarios": [
+                {
+                    "name": "mixed",
+                    "description": "short streams, then long prompts",
+                    "max_tokens": 128,
+                    "late": {"max_tokens": 64},
+                }
+            ],
         },
     )
     saved = tmp_path / "suite.json"
     saved.write_text(json.dumps(data))
     assert main(["bench", "--report-only", str(saved), "--png", str(tmp_path / "s.png")]) == 0
     out = capsys.readouterr().out
+    assert (
+        "- mixed: short streams, then long prompts; 128 new tokens a stream, 64 a late one" in out
+    )
     assert "| first streams' gap p50 ms | gap p99 ms | late streams' TTFT p50 ms | p99 ms |" in out
     # 10 tokens in 1 s, the median of two rounds; its short streams' gaps: p50 100, p99 200 ms.
     assert "| 2 | mlx-trio HTTP | 10.0 | 200 | 494 | 100 | 200 | 100 | 200 | 500 | 500 |" in out

@@ -64,8 +64,14 @@ def _level_table(data: Mapping[str, Any], scenario: str) -> list[str]:
 
 
 def _scenario_line(scenario: Mapping[str, Any]) -> str:
-    line = f"{scenario['name']}: {scenario.get('description') or ''}".rstrip(": ")
-    return f"- {line}"
+    """A scenario's name, its description and the new tokens its streams asked for in this run
+    (``--max-tokens`` overrides the scenario's own)."""
+    line = f"- {scenario['name']}: {scenario['description']}"
+    if (tokens := scenario.get("max_tokens")) is not None:
+        line += f"; {tokens} new tokens a stream"
+        if (late := scenario.get("late")) is not None and late.get("max_tokens") is not None:
+            line += f", {late['max_tokens']} a late one"
+    return line
 
 
 def markdown(data: Mapping[str, Any]) -> str:

@@ -149,29 +149,28 @@ LONG_CONTEXT = Scenario(
     "long-context",
     64,
     LONG_CONTEXT_SENTENCES,
-    "a unique prompt of about 1,000 tokens a stream, 64 new: no cache helps",
+    "a unique prompt of about 1,000 tokens a stream: no cache helps",
     unique=True,
 )
 SCENARIOS = {
     s.name: s
     for s in (
-        Scenario("chat", 48, description="a one-line chat prompt, 48 new tokens (the README's)"),
-        Scenario("long-prompt", 16, 40, "about 600 prompt tokens, 16 new: prefill-heavy"),
+        Scenario("chat", 48, description="a one-line chat prompt (the README's)"),
+        Scenario("long-prompt", 16, 40, "about 600 prompt tokens: prefill-heavy"),
         LONG_CONTEXT,
         Scenario(
             "long-context-gpu",
             64,
             GPU_CONTEXT_SENTENCES,
-            "a unique prompt of about 2,000 characters a stream, 64 new: about 2,000 tokens of "
+            "a unique prompt of about 2,000 characters a stream: about 2,000 tokens of "
             "the GPU run's model (its tokenizer is byte-level; issue 23's H200 load)",
             unique=True,
         ),
         Scenario(
             "mixed",
             128,
-            description="chat prompts streaming 128 tokens; once all stream, long-context "
-            f"prompts arrive (64 new each), one for every {MIXED_LATE_SHARE} streams, at least "
-            f"{MIXED_LATE}",
+            description="chat prompts streaming; once all stream, long-context prompts arrive, "
+            f"one for every {MIXED_LATE_SHARE} streams, at least {MIXED_LATE}",
             late=LONG_CONTEXT,
             late_clients=MIXED_LATE,
             late_share=MIXED_LATE_SHARE,
