@@ -11,7 +11,7 @@ MLX's CPU ``exp`` runs on one thread, 13 ns an element (design/017).
 :func:`install` makes a ``BatchGenerator``'s generation batch a :class:`LeanGenerationBatch`,
 whose step is mlx-lm 0.32.2's (pinned in pyproject.toml) with that one line changed: while no
 row in the batch wants log-probabilities, the samplers get the logits and the responses carry
-them in place of the log-probabilities (which nobody reads). Otherwise it runs mlx-lm's own.
+no log-probabilities (nobody reads them). Otherwise it runs mlx-lm's own.
 
 The same step computes the masks of the rows held to grammars together (``grammar.BatchMasks``):
 each row's processor call would read its last token back from the device (a sync per row) and
@@ -50,13 +50,13 @@ class LeanGenerationBatch(GenerationBatch):
     select_adapters: SelectAdapters
     decode_kernel: bool
 
-    def _step(self) -> tuple[list[int], list[mx.array]]:
+    def _step(self) -> tuple[list[int], list[mx.array | None]]:
         with self.select_adapters(self.uids), kernel_attention(self.decode_kernel):
             if self.wants_logprobs(self.uids):
                 return super()._step()
             return self._lean_step()
 
-    def _lean_step(self) -> tuple[list[int], list[mx.array]]:
+    def _lean_step(self) -> tuple[list[int], list[mx.array | None]]:
         # mlx-lm 0.32.2's GenerationBatch._step, but for the normalization.
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
@@ -104,9 +104,12 @@ class LeanGenerationBatch(GenerationBatch):
         else:
             sampled = mx.concatenate([s(logits[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
 
+        # Ours: no row reads a response's log-probabilities, so none is sliced out of the
+        # batch's logits (mlx-lm's ``list(logprobs)``: a view per row, each evaluated: at 128
+        # rows, 128 more arrays to build and schedule every step).
         self._next_tokens = sampled
-        self._next_logprobs = list(logits)
-        mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+        self._next_logprobs = [None] * len(self.uids)
+        mx.async_eval(self._next_tokens, token_context)
 
         mx.eval(inputs, self._current_logprobs)
         tokens: Any = inputs.tolist()
