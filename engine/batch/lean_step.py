@@ -9,9 +9,11 @@ the default model (49,152 tokens), a decode step took 196 ms with it and 172 ms 
 MLX's CPU ``exp`` runs on one thread, 13 ns an element (design/017).
 
 :func:`install` makes a ``BatchGenerator``'s generation batch a :class:`LeanGenerationBatch`,
-whose step is mlx-lm 0.32.2's (pinned in pyproject.toml) with that one line changed: while no
-row in the batch wants log-probabilities, the samplers get the logits and the responses carry
-no log-probabilities (nobody reads them). Otherwise it runs mlx-lm's own.
+whose step is mlx-lm 0.32.2's (pinned in pyproject.toml) with that normalization left out:
+while no row in the batch wants log-probabilities, the samplers get the logits, and the
+responses carry no log-probabilities (mlx-lm's step makes a view of the logits per row for
+them; without those views a 128-row step on an H100 took 0.90x the time, design/030 section
+12). Otherwise it runs mlx-lm's own.
 
 The same step computes the masks of the rows held to grammars together (``grammar.BatchMasks``):
 each row's processor call would read its last token back from the device (a sync per row) and
