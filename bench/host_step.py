@@ -25,10 +25,10 @@ from mlx_trio.engine import _blas  # noqa: F401  (loads OpenBLAS: before MLX bel
 import mlx.core as mx
 from mlx_lm.models.llama import ModelArgs
 
-from mlx_trio.api.bench.models import SHAPE_QUICK, SPECIALS
+from mlx_trio.api.bench.models import SHAPE_QUICK, SPECIALS, make_engine
 from mlx_trio.engine.batch.batch import BatchEngine
 from mlx_trio.engine.generate import Engine
-from mlx_trio.engine.model.random_model import byte_level_tokenizer, in_memory, random_llama
+from mlx_trio.engine.model.random_model import byte_level_tokenizer, random_llama
 from mlx_trio.engine.params import SamplingParams
 
 JOINED_BY = 3  # calls: the rows' prefill and first step, before the decode steps timed
@@ -40,20 +40,10 @@ def build_engine() -> Engine:
     args = ModelArgs(model_type="llama", rms_norm_eps=1e-5, vocab_size=256, **SHAPE_QUICK)
     model = random_llama(args)
     # Unit-scale embeddings: greedy tokens wander instead of repeating one.
-    model.update({"model": {"embed_tokens": {"weight": mx.random.normal((256, 128))}}})
+    model.update({"model": {"embed_tokens": {"weight": mx.random.normal((256, args.hidden_size))}}})
     mx.eval(model.parameters())
     tokenizer = byte_level_tokenizer([], SPECIALS, eos_token=SPECIALS[2], bos_token=SPECIALS[0])
-    device = "cpu" if mx.default_device().type == mx.DeviceType.cpu else "gpu"
-    loaded = in_memory(
-        model,
-        tokenizer,
-        "host-step",
-        dtype="float32",
-        is_quantized=False,
-        context_length=4096,
-        device=device,
-    )
-    return Engine(loaded)
+    return make_engine(model, tokenizer, dtype="float32", quantized=False)
 
 
 def call_time(
