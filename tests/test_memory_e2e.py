@@ -31,6 +31,7 @@ RSS_LIMIT = "780MiB"
 # Their ~6,100 tokens (48 each) overfill that pool of ~4,500: the prompt cache fills it.
 RSS_CLIENTS = 128
 RSS_NEW_TOKENS = 8
+HEAP_GROWTH = 32 * MiB
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,10 @@ async def test_resident_memory_after_128_clients_stays_within_what_the_budget_co
     mlx_cache = after["memory"]["cache"]
     assert cache > 0 and cache <= budget["kv_pool"]  # the cache filled what the pool allows
     # What the server holds for its requests: the prompt cache's entries and MLX's buffer
-    # cache, both within the budget (the KV pool, the headroom).
-    assert after_rss - ready_rss <= 1.3 * (cache + mlx_cache)
+    # cache, both within the budget (the KV pool, the headroom), and the interpreter's and
+    # the allocator's own growth from serving 128 clients at once, which no budget counts:
+    # 0-16 MB over the two in runs here. A leak of the burst's KV would be ~270 MB.
+    assert after_rss - ready_rss <= 1.3 * (cache + mlx_cache) + HEAP_GROWTH
     assert after_rss <= 1.3 * budget["limit"]
 
 
