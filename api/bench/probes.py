@@ -147,14 +147,17 @@ def weight_bytes(model: Any) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def anatomy(engine: Engine, prompt: tuple[int, ...], steps: int) -> dict[str, float]:
+def anatomy(
+    engine: Engine, prompt: tuple[int, ...], steps: int, copy_bytes: int = 1 << 30
+) -> dict[str, float]:
     """Where a single-stream decode step's time goes, on the calling (engine) thread.
 
     ``build_s``: Python building the step's lazy graph; ``dispatch_s``: ``mx.async_eval``
     encoding and launching it; ``wait_s``: then waiting for the GPU; ``step_s``: a plain
     unpipelined step (build + eval + sync). ``weights_pass_s``: every weight matrix
     multiplied by one vector with MLX's own kernels, one eval (the kernels' streaming floor).
-    ``copy_bytes_per_s``: a 1 GiB bf16 ``x + 1`` (bytes read plus written over time).
+    ``copy_bytes_per_s``: a bf16 ``x + 1`` of ``copy_bytes`` (bytes read plus written over
+    time).
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -200,7 +203,7 @@ def anatomy(engine: Engine, prompt: tuple[int, ...], steps: int) -> dict[str, fl
             t0 = time.perf_counter()
             mx.eval(outputs)
             passes.append(time.perf_counter() - t0)
-        x = mx.zeros((1 << 29,), dtype=mx.bfloat16)
+        x = mx.zeros((copy_bytes // 2,), dtype=mx.bfloat16)
         mx.eval(x)
         copies = []
         for _ in range(5):

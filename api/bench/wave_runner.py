@@ -148,7 +148,9 @@ async def bench_model(
         async with open_waves(name, plan, engine, ports) as waves:
             await measure(name, waves, plan, entry, save, deadline)
         prompt = prompt_ids(prompt_text(0), plan.prompt_tokens)
-        entry["anatomy"] = await thread.run(anatomy, engine, prompt, 64)
+        # --quick checks the path on a CPU: a few steps and a small copy are enough.
+        steps, copy_bytes = (4, 1 << 24) if plan.quick else (64, 1 << 30)
+        entry["anatomy"] = await thread.run(anatomy, engine, prompt, steps, copy_bytes)
         save()
 
 
