@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 import mlx_trio.engine._blas  # noqa: F401  (loads OpenBLAS before anything imports MLX)
+
+if TYPE_CHECKING:
+    from tests.server_thread import ServerThread
 
 
 @pytest.hookimpl(wrapper=True)
@@ -51,18 +57,37 @@ ON_ENGINE_PROCESS = pytest.mark.parametrize(
 )
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["engine thread", "engine process"])
-def default_model_server(request: pytest.FixtureRequest):
-    """The real server on the embedded default model, healthy, over the engine thread and
-    the engine process in turn (one of each a module)."""
+@pytest.fixture(scope="session")
+def default_model_servers() -> Iterator[Callable[[bool], ServerThread]]:
+    """The real server on the embedded default model over the engine thread (False) or the
+    engine process (True): each started on first use and kept for the worker's session, so the
+    modules that test the API on it share two servers instead of starting two each."""
     from mlx_trio.actors.config import RuntimeConfig
     from mlx_trio.api.server import ServeOptions
     from mlx_trio.engine.options import EngineOptions
     from tests.server_thread import ServerThread
 
-    options = ServeOptions(
-        engine=EngineOptions(engine_process=request.param), runtime=RuntimeConfig(max_batch=8)
-    )
-    with ServerThread(options) as running:
-        running.wait_healthy()
-        yield running
+    with contextlib.ExitStack() as stack:
+        servers: dict[bool, ServerThread] = {}
+
+        def server(engine_process: bool) -> ServerThread:
+            if engine_process not in servers:
+                options = ServeOptions(
+                    engine=EngineOptions(engine_process=engine_process),
+                    runtime=RuntimeConfig(max_batch=8),
+                )
+                running = stack.enter_context(ServerThread(options))
+                running.wait_healthy()
+                servers[engine_process] = running
+            return servers[engine_process]
+
+        yield server
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["engine thread", "engine process"])
+def default_model_server(
+    request: pytest.FixtureRequest, default_model_servers: Callable[[bool], ServerThread]
+) -> ServerThread:
+    """The real server on the embedded default model, healthy, over the engine thread and
+    the engine process in turn (one of each a module; ``default_model_servers``')."""
+    return default_model_servers(request.param)

@@ -21,6 +21,7 @@ from mlx_trio.api.bench.scenarios import SCENARIOS, parse_scenarios, prompt
 from mlx_trio.api.bench.stream import RequestResult
 from mlx_trio.api.bench.systems import SYSTEMS, server_spec
 from mlx_trio.api.cli import main
+from tests import families
 
 SAVED = Path(__file__).parent / "data" / "bench_suite.json"  # bench/results/suite.json, trimmed
 # bench/results/gpu.json, trimmed: bf16 at 1 and 8 streams
@@ -217,12 +218,14 @@ def test_measurements_become_json_the_report_reads() -> None:
 @pytest.mark.slow
 def test_the_harness_runs_two_cheap_systems_one_at_a_time(tmp_path: Path) -> None:
     """Two in-process systems at one level, each started only for its own runs (a model too
-    large for two systems at once): the second starts after the first was measured and
-    stopped, and both are in the JSON and the table."""
-    out = tmp_path / "suite.json"
+    large for two systems at once) on a ``--model-dir`` (a tiny llama checkpoint: the order is
+    the point, and the default model's loads and warm-ups cost 20 s here): the second starts
+    after the first was measured and stopped, and both are in the JSON and the table."""
+    out, model_dir = tmp_path / "suite.json", families.save("llama", tmp_path / "model")
     done = mlx_trio(
         *("bench", "--systems", "batch_generator,mlx-trio-inprocess", "--one-at-a-time"),
         *("--concurrency", "1", "--max-tokens", "4", "--no-cancel-probe", "--out", str(out)),
+        *("--model-dir", str(model_dir)),
         timeout=180,
     )
     assert done.returncode == 0, done.stderr[-2000:]
