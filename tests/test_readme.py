@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_trio.actors.config import RuntimeConfig
-from mlx_trio.api.server import ServeOptions
-from tests.server_thread import ServerThread, model_id
+from tests.server_thread import model_id
 
 ROOT = Path(__file__).parent.parent
 README = ROOT / "README.md"
@@ -60,40 +58,39 @@ def test_every_relative_link_and_image_exists(page):
 
 
 @pytest.mark.e2e
-def test_the_sdk_examples_run_against_a_real_server(tmp_path):
+def test_the_sdk_examples_run_against_a_real_server(tmp_path, default_model_servers):
     """The structured-output and the tool-calling examples, as written."""
     structured, tools = [b for b in python_blocks() if "completions.parse" in b]
-    with ServerThread(ServeOptions(runtime=RuntimeConfig(max_batch=4))) as server:
-        server.wait_healthy()
-        model = model_id(server)
-        # Both at once, as two users would (the server batches them): each a script of its own.
-        running = []
-        for name, block in (("structured", structured), ("tools", tools)):
-            script = tmp_path / f"{name}.py"
-            script.write_text(
-                block.replace("http://127.0.0.1:8000", server.url).replace(
-                    '"smollm2-135m-instruct"', repr(model)
-                )
+    server = default_model_servers(False)
+    model = model_id(server)
+    # Both at once, as two users would (the server batches them): each a script of its own.
+    running = []
+    for name, block in (("structured", structured), ("tools", tools)):
+        script = tmp_path / f"{name}.py"
+        script.write_text(
+            block.replace("http://127.0.0.1:8000", server.url).replace(
+                '"smollm2-135m-instruct"', repr(model)
             )
-            running.append(
-                subprocess.Popen(
-                    [sys.executable, str(script)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
+        )
+        running.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
-        try:
-            done = [process.communicate(timeout=300) for process in running]
-        finally:
-            for process in running:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-        outputs = []
-        for process, (stdout, stderr) in zip(running, done, strict=True):
-            assert process.returncode == 0, stderr
-            outputs.append(stdout)
+        )
+    try:
+        done = [process.communicate(timeout=300) for process in running]
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    outputs = []
+    for process, (stdout, stderr) in zip(running, done, strict=True):
+        assert process.returncode == 0, stderr
+        outputs.append(stdout)
     assert outputs[0].startswith("name=") and "population=" in outputs[0]
     assert outputs[1].startswith("GetWeather city=")
 
